@@ -1,0 +1,3 @@
+from components.kv.base import KVManager
+
+__all__ = ["KVManager"]

@@ -1,0 +1,3 @@
+from components.model.llama import LlamaArgs, Transformer
+
+__all__ = ["LlamaArgs", "Transformer"]

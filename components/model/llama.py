@@ -1,0 +1,213 @@
+"""A compact Llama-family transformer (RMSNorm, RoPE, GQA, SwiGLU) built for decoding.
+
+The forward pass takes explicit position ids and an explicit per-query attention mask over the
+cached keys plus the new ones: exactly the two hooks that packed tree attention needs. It returns
+hidden states; the LM head is a separate call (`logits`), so Medusa heads and early-exit drafts can
+share the trunk.
+
+Weights are stored [in, out] and multiplied as `x @ W`: on this CPU MKL reads a row-major [in, out]
+matrix for one token at roughly twice the bandwidth of `F.linear`'s [out, in] layout. q/k/v and
+gate/up are fused so that one step makes four matmuls per layer instead of seven.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class LlamaArgs:
+    vocab_size: int = 49152
+    dim: int = 576
+    n_layers: int = 30
+    n_heads: int = 9
+    n_kv_heads: int = 3
+    head_dim: int = 64
+    hidden_dim: int = 1536  # SwiGLU intermediate size
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF `rope_parameters`/`rope_scaling` (linear, llama3)
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    max_seq_len: int = 8192
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"`n_heads` ({self.n_heads}) must be a multiple of `n_kv_heads` ({self.n_kv_heads})")
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "LlamaArgs":
+        """Map a transformers LlamaConfig (or any config with its field names) to LlamaArgs."""
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        rope = dict(rope)
+        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        eos = cfg.eos_token_id
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(
+            vocab_size=cfg.vocab_size, dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers,
+            n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+            head_dim=head_dim, hidden_dim=cfg.intermediate_size, norm_eps=cfg.rms_norm_eps,
+            rope_theta=float(theta), rope_scaling=scaling,
+            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qkv_bias=bool(getattr(cfg, "attention_bias", False)),
+            max_seq_len=getattr(cfg, "max_position_embeddings", 8192),
+            bos_token_id=cfg.bos_token_id, eos_token_ids=eos,
+        )
+
+
+def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
+    """Inverse frequencies, with the scaling rules transformers applies for Llama checkpoints."""
+    d = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = args.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind == "linear":
+        inv = inv / sc["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old = sc.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+        inv = torch.where(is_mid, mid, scaled)
+    elif kind != "default":
+        raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+    return inv
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # as transformers computes it: in fp32, normalised, cast back, then scaled
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, h, hs); cos/sin: (B, T, 1, hs). Half-split rotation (transformers' convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Grouped-query attention for short query blocks (decode steps, trees), where the fused SDPA
+    kernel's fixed cost dominates. q: (B, nh, T, hs); k, v: (B, nkv, S, hs); bias: additive
+    (B or 1, 1, T, S) or None. Returns (B, nh, T, hs)."""
+    B, nh, T, hs = q.shape
+    nkv, S = k.shape[1], k.shape[2]
+    g = nh // nkv
+    qg = q.reshape(B, nkv, g * T, hs)  # heads of one kv group share its keys
+    scores = (qg @ k.transpose(-1, -2)).mul_(1.0 / math.sqrt(hs))  # (B, nkv, g T, S)
+    if bias is not None:
+        scores = (scores.view(B, nkv, g, T, S) + bias.unsqueeze(1)).view(B, nkv, g * T, S)
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return (probs @ v).view(B, nh, T, hs)
+
+
+class Block(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads, self.n_kv, self.hs = args.n_heads, args.n_kv_heads, args.head_dim
+        qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.wqkv = nn.Parameter(torch.empty(args.dim, qkv_out))  # [in, out]
+        self.bqkv = nn.Parameter(torch.zeros(qkv_out)) if args.qkv_bias else None
+        self.wo = nn.Parameter(torch.empty(args.n_heads * args.head_dim, args.dim))
+        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
+        self.w13 = nn.Parameter(torch.empty(args.dim, 2 * args.hidden_dim))  # gate | up
+        self.w2 = nn.Parameter(torch.empty(args.hidden_dim, args.dim))
+
+    def forward(self, x, cos, sin, kv, bias, causal):
+        B, T, _ = x.shape
+        nq, nkv, hs = self.n_heads, self.n_kv, self.hs
+        qkv = self.attn_norm(x) @ self.wqkv  # (B, T, (nh + 2 nkv) hs)
+        if self.bqkv is not None:
+            qkv = qkv + self.bqkv
+        qk = apply_rope(qkv[..., :(nq + nkv) * hs].view(B, T, nq + nkv, hs), cos, sin)  # (B, T, nh + nkv, hs)
+        q = qk[:, :, :nq].transpose(1, 2)  # (B, nh, T, hs)
+        k = qk[:, :, nq:].transpose(1, 2)  # (B, nkv, T, hs)
+        v = qkv[..., (nq + nkv) * hs:].view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        if kv is not None:
+            k, v = kv.update(self.layer_id, k, v)  # (B, nkv, S, hs): cached + these T
+        if causal:  # long prompt blocks: the fused kernel wins
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nq)
+        elif T > 64:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=nkv != nq)
+        else:
+            y = attention(q, k, v, bias)
+        x = x + y.transpose(1, 2).reshape(B, T, nq * hs) @ self.wo
+        gate, up = (self.mlp_norm(x) @ self.w13).chunk(2, dim=-1)
+        return x + (F.silu(gate) * up) @ self.w2
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        # [in, out] copy of the output projection; tied models keep it equal to the embedding
+        self.lm_head = nn.Parameter(torch.empty(args.dim, args.vocab_size))
+        self.register_buffer("inv_freq", rope_inv_freq(args).float(), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.dtype
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions: (B, T) -> cos, sin: (B, T, 1, hs)."""
+        freqs = positions[..., None].float() * self.inv_freq  # (B, T, hs/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv=None,
+                mask: torch.Tensor | None = None, layers: list[int] | None = None) -> torch.Tensor:
+        """tokens, positions: (B, T) long. mask: bool (B or 1, 1, T, S) over the S = cached + T keys,
+        True = may attend. Without a mask a block of T new tokens attends causally among itself and
+        to everything cached (so a plain step and a prompt on an empty cache need none).
+        `layers` runs a subset of the blocks (layer-skipping drafts). Returns hidden (B, T, dim),
+        after the final norm."""
+        B, T = tokens.shape
+        x = self.tok_embeddings(tokens)  # (B, T, dim)
+        cos, sin = self.rope(positions, x.dtype)
+        cached = kv.used if kv is not None else 0
+        causal = mask is None and T > 1 and cached == 0
+        if mask is None and T > 1 and cached > 0:  # a causal block after a cache: spell the mask out
+            mask = torch.ones(T, cached + T, dtype=torch.bool).tril_(cached)[None, None]
+        bias = None if mask is None else torch.zeros(mask.shape, dtype=x.dtype).masked_fill_(~mask, float("-inf"))
+        for i in (range(len(self.layers)) if layers is None else layers):
+            x = self.layers[i](x, cos, sin, kv, bias, causal)
+        if kv is not None:
+            kv.advance(T)  # the T new slots are tentative until committed
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (B, T, dim) -> fp32 logits (B, T, vocab)."""
+        return (hidden @ self.lm_head).float()
+
+    @torch.no_grad()
+    def tie_lm_head(self):
+        self.lm_head.copy_(self.tok_embeddings.weight.t())
+
+    def fingerprint(self) -> str:
+        """A short id of the weights, to refuse heads trained on another backbone."""
+        a = self.args
+        w = self.layers[0].wqkv.detach().float()
+        probe = float(w[:8, :8].sum()) + float(self.tok_embeddings.weight[:4, :4].float().sum())
+        return f"llama-{a.n_layers}x{a.dim}-v{a.vocab_size}-{probe:.6e}"

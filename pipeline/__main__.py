@@ -1,0 +1,27 @@
+"""python -m pipeline decode=<preset> [input=...] [prompt="..."] [overrides]"""
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from pipeline.cli import CONF_DIR, check_group_overrides
+from pipeline.errors import one_line_errors
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+@one_line_errors
+def main(cfg: DictConfig) -> dict:
+    from pipeline.decode import decode
+    metrics, _ = decode(cfg)
+    s = metrics
+    print(f"{s['requests']} requests, {s['new_tokens']} tokens in {s['wall_s']:.2f} s "
+          f"({s['tokens_per_s']:.1f} tokens/s, mean accepted length {s['mean_accepted_length']:.2f}) "
+          f"-> {s['results_path']}", file=sys.stderr)
+    return metrics
+
+
+if __name__ == "__main__":
+    check_group_overrides(sys.argv[1:])
+    main()
