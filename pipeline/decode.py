@@ -2,6 +2,7 @@
 results.json into the run directory."""
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 import time
@@ -95,7 +96,7 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
                       "mean_step_ms": statistics.mean(g.step_ms) if g.step_ms else None})
     summary = summarize(gens, wall)
     if cfg.get("verify_lossless"):
-        summary.update(verify_lossless(cfg, backbone, prompts, gens, items))
+        summary.update(verify_lossless(decoder, backbone, prompts, gens, items))
     results = {"decode": cfg.get("name", "custom"), "config": OmegaConf.to_container(cfg, resolve=True),
                "summary": summary, "items": items}
     path = write_json(run_dir(cfg) / "results.json", results)
@@ -103,10 +104,10 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
                                                     "generations": gens, "results": results}
 
 
-def verify_lossless(cfg, backbone, prompts, gens, items) -> dict:
-    """Re-run every request with plain greedy decoding and report the first divergence, if any."""
-    plain_cfg = OmegaConf.merge(cfg, {"proposer": None, "verifier": None})
-    plain, _ = build_decoder(plain_cfg, backbone)
+def verify_lossless(decoder: Decoder, backbone, prompts, gens, items) -> dict:
+    """Re-run every request with plain decoding (same sampler, no proposer) and report the first
+    divergence, if any."""
+    plain = dataclasses.replace(decoder, proposer=None, verifier=None)
     ref, _ = run_requests(plain, backbone.tokenizer, prompts)
     diverged = 0
     for item, g, r in zip(items, gens, ref):

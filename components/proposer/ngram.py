@@ -1,0 +1,75 @@
+"""Prompt lookup: draft the continuation of the latest earlier occurrence of the last n tokens.
+
+Matches are searched in the prompt and the output so far, longest n-gram first; several distinct
+continuations become the branches of one tree. When nothing matches there is no proposal and the
+step is a plain decode step. After a proposal that is rejected outright the proposer backs off for a
+few steps (doubling, capped), so text that matches only by accident costs little.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from components.proposer.base import DecodeState, Proposer
+from pipeline.tree import Tree
+
+
+class NgramProposer(Proposer):
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2, depth: int = 8, width: int = 2,
+                 max_nodes: int = 16, max_backoff: int = 8):
+        for name, v in (("max_ngram", max_ngram), ("min_ngram", min_ngram), ("depth", depth),
+                        ("width", width), ("max_nodes", max_nodes)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"`proposer.{name}` must be a positive int, got {v}")
+        if min_ngram > max_ngram:
+            raise ValueError(f"`proposer.min_ngram` ({min_ngram}) must be <= `proposer.max_ngram` ({max_ngram})")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.depth, self.width, self.max_nodes = depth, width, max_nodes
+        self.max_backoff = max_backoff
+        self.reset()
+
+    def reset(self) -> None:
+        self.skip = 0  # steps left to sit out
+        self.backoff = 1
+        self.last: Tree | None = None
+        self.last_len = 0
+
+    def feedback(self, state: DecodeState) -> None:
+        """Learn from the previous proposal: how many of its drafts were committed."""
+        if self.last is None:
+            return
+        committed = len(state.tokens) - self.last_len  # drafts accepted + the bonus token
+        if committed <= 1:
+            self.skip, self.backoff = self.backoff, min(2 * self.backoff, self.max_backoff)
+        else:
+            self.backoff = 1
+        self.last = None
+
+    def continuations(self, tokens: list[int], depth: int) -> list[list[int]]:
+        arr = np.asarray(tokens, dtype=np.int64)
+        n, found, seen = len(arr), [], set()
+        for size in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], size)  # earlier n-grams
+            hits = np.flatnonzero((windows == arr[-size:]).all(axis=1))
+            for start in hits[::-1]:  # most recent first
+                cont = arr[start + size:start + size + depth].tolist()
+                if cont and tuple(cont[:2]) not in seen:
+                    seen.add(tuple(cont[:2]))
+                    found.append(cont)
+                    if len(found) == self.width:
+                        return found
+        return found
+
+    def propose(self, state: DecodeState) -> Tree | None:
+        self.feedback(state)
+        if self.skip > 0:
+            self.skip -= 1
+            return None
+        paths = self.continuations(state.tokens, min(self.depth, state.budget - 1))
+        if not paths:
+            return None
+        tree = Tree.from_paths(state.tokens[-1], paths)
+        if tree.size - 1 > self.max_nodes:
+            keep = list(range(self.max_nodes + 1))  # packed order is breadth-first per path: trim the tail
+            tree = Tree.from_parents(tree.tokens[keep].tolist(), tree.parents[keep].tolist())
+        self.last, self.last_len = tree, len(state.tokens)
+        return tree

@@ -1,0 +1,142 @@
+"""Benchmark peers: the same weights run through transformers' `LlamaForCausalLM.generate`, the
+decoder a user would otherwise pick. The HF model is rebuilt from our Backbone (no files are read
+again) with the inverse of `convert_hf_state_dict`, in the same dtype.
+
+A peer has the Decoder's calling convention (`seed`, `generate(prompt_ids, on_tokens, seed) ->
+Generation`), so the benchmark times it with the same loop and reports the same fields. Forward
+hooks record what transformers does not return: one entry per target forward (its input length
+and wall time), from which the committed tokens per forward follow.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from components.model.llama import LlamaArgs
+from pipeline.decoder import Generation
+from pipeline.errors import UserError
+
+# peer name -> its `generate` knobs unless the bench entry overrides them
+PEERS: dict[str, dict] = {
+    "hf_greedy": {},
+    "hf_beam": {"num_beams": 4},
+    "hf_prompt_lookup": {"prompt_lookup_num_tokens": 10},
+}
+# entry overrides with these keys go to `generate`, every other one to the composed decode config
+GENERATE_KNOBS = ("num_beams", "length_penalty", "early_stopping", "prompt_lookup_num_tokens",
+                  "max_matching_ngram_size")
+
+
+def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
+    """Ours ([in, out], fused q|k|v and gate|up) -> Hugging Face Llama names and layout ([out, in]).
+    The inverse of `components.model.load.convert_hf_state_dict`. Tensors are contiguous copies:
+    a peer gets the layout a user loading the checkpoint would get, not our faster one."""
+    a: LlamaArgs = model.args
+    q_out, kv_out = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    sd = {"model.embed_tokens.weight": model.tok_embeddings.weight.detach().clone(),
+          "model.norm.weight": model.norm.weight.detach().clone()}
+    for i, blk in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        a_, m = p + "self_attn.", p + "mlp."
+        q, k, v = blk.wqkv.detach().t().split([q_out, kv_out, kv_out])  # each (out, dim)
+        sd.update({a_ + "q_proj.weight": q, a_ + "k_proj.weight": k, a_ + "v_proj.weight": v})
+        if blk.bqkv is not None:
+            bq, bk, bv = blk.bqkv.detach().split([q_out, kv_out, kv_out])
+            sd.update({a_ + "q_proj.bias": bq, a_ + "k_proj.bias": bk, a_ + "v_proj.bias": bv,
+                       # HF's attention_bias also biases o_proj; ours has none, so it is zero
+                       a_ + "o_proj.bias": torch.zeros(a.dim, dtype=blk.bqkv.dtype)})
+        sd[a_ + "o_proj.weight"] = blk.wo.detach().t()
+        gate, up = blk.w13.detach().t().split([a.hidden_dim, a.hidden_dim])  # each (hidden, dim)
+        sd.update({m + "gate_proj.weight": gate, m + "up_proj.weight": up,
+                   m + "down_proj.weight": blk.w2.detach().t()})
+        sd[p + "input_layernorm.weight"] = blk.attn_norm.weight.detach()
+        sd[p + "post_attention_layernorm.weight"] = blk.mlp_norm.weight.detach()
+    sd["lm_head.weight"] = model.lm_head.detach().t()
+    return {k: t.contiguous().clone() for k, t in sd.items()}
+
+
+def hf_config(args: LlamaArgs, dtype: torch.dtype):
+    from transformers import LlamaConfig
+    rope = {**(args.rope_scaling or {"rope_type": "default"}), "rope_theta": args.rope_theta}
+    eos = args.eos_token_ids[0] if len(args.eos_token_ids) == 1 else list(args.eos_token_ids) or None
+    return LlamaConfig(
+        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.hidden_dim,
+        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+        head_dim=args.head_dim, rms_norm_eps=args.norm_eps, rope_parameters=rope,
+        max_position_embeddings=args.max_seq_len, tie_word_embeddings=args.tie_embeddings,
+        attention_bias=args.qkv_bias, bos_token_id=args.bos_token_id, eos_token_id=eos,
+        pad_token_id=args.eos_token_ids[0] if args.eos_token_ids else None, dtype=dtype)
+
+
+def to_hf(backbone):
+    """A `LlamaForCausalLM` holding the backbone's weights, in the backbone's dtype, in eval mode."""
+    from transformers import LlamaForCausalLM
+    from transformers.initialization import no_init_weights
+    model = backbone.model
+    with no_init_weights():
+        hf = LlamaForCausalLM(hf_config(model.args, model.dtype))
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(model), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"HF Llama does not fit our weights: missing {missing}, unexpected {unexpected}")
+    if model.args.tie_embeddings:
+        hf.tie_weights()
+    return hf.to(model.dtype).eval().requires_grad_(False)
+
+
+class HFPeer:
+    """`LlamaForCausalLM.generate` behind the Decoder's interface. Tokens are the generated ones
+    only, ending with the EOS token when it stopped there (HF's padding after EOS is dropped)."""
+
+    def __init__(self, hf_model, eos_ids: list[int], max_new_tokens: int, seed: int = 0, **generate_kwargs):
+        from transformers import GenerationConfig
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise UserError(f"max_new_tokens must be a positive int, got {max_new_tokens}")
+        unknown = set(generate_kwargs) - set(GENERATE_KNOBS)
+        if unknown:
+            raise UserError(f"unknown peer knob(s) {sorted(unknown)}; known: {', '.join(GENERATE_KNOBS)}")
+        self.model, self.eos_ids, self.seed = hf_model, list(eos_ids), seed
+        self.num_beams = int(generate_kwargs.get("num_beams", 1))
+        self.generation_config = GenerationConfig(
+            do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
+            pad_token_id=self.eos_ids[0], bos_token_id=hf_model.config.bos_token_id, **generate_kwargs)
+        self._trace: list[list] = []  # per forward: [input length, start position, t0, ms]
+
+    def _before(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        pos = kwargs.get("position_ids")  # (B, T): the first is the number of cached tokens
+        self._trace.append([ids.shape[1], int(pos[0, 0]) if pos is not None else 0, time.perf_counter(), 0.0])
+
+    def _after(self, module, args, output):
+        self._trace[-1][3] = (time.perf_counter() - self._trace[-1][2]) * 1e3
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], on_tokens=None, seed: int | None = None) -> Generation:
+        self._trace = []
+        hooks = [self.model.register_forward_pre_hook(self._before, with_kwargs=True),
+                 self.model.register_forward_hook(self._after)]  # peers may share one HF model
+        try:
+            t0 = time.perf_counter()
+            out = self.model.generate(torch.tensor([prompt_ids]), generation_config=self.generation_config,
+                                      attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+            wall = time.perf_counter() - t0
+        finally:
+            for h in hooks:
+                h.remove()
+        ids = out[0, len(prompt_ids):].tolist()
+        stop = next((i for i, t in enumerate(ids) if t in self.eos_ids), None)
+        ids = ids if stop is None else ids[:stop + 1]
+        if on_tokens is not None and ids:
+            on_tokens(ids)
+        return Generation(ids, "eos" if stop is not None else "length", self._accepted(len(prompt_ids), len(ids)),
+                          [ms for *_, ms in self._trace[1:]], [n for n, *_ in self._trace[1:]], [], wall_s=wall,
+                          prefill_ms=self._trace[0][3] if self._trace else 0.0)
+
+    def _accepted(self, prompt_len: int, new: int) -> list[int]:
+        """Tokens committed per target forward. Each forward after the prefill starts at the newest
+        committed token (its cache holds everything before it), so forward i committed the growth of
+        the cache between forward i and i+1. Beam search extends every beam by one token a step."""
+        if self.num_beams > 1:
+            return [1] * new
+        known = [c + 1 for _, c, *_ in self._trace[1:]] + [prompt_len + new]  # sequence length after each forward
+        return [b - a for a, b in zip([prompt_len] + known[:-1], known)]
