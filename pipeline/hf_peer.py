@@ -9,6 +9,7 @@ and wall time), from which the committed tokens per forward follow.
 """
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
@@ -53,29 +54,39 @@ def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
         sd[p + "input_layernorm.weight"] = blk.attn_norm.weight.detach()
         sd[p + "post_attention_layernorm.weight"] = blk.mlp_norm.weight.detach()
     sd["lm_head.weight"] = model.lm_head.detach().t()
+    mapped = 2 + len(model.layers) * (6 + (model.layers[0].bqkv is not None)) + 1
+    if mapped != len(list(model.parameters())):  # a parameter this inverse does not know would be dropped
+        raise RuntimeError(f"to_hf_state_dict maps {mapped} of the model's {len(list(model.parameters()))} "
+                           "parameters: extend it for the new ones")
     return {k: t.contiguous().clone() for k, t in sd.items()}
 
 
-def hf_config(args: LlamaArgs, dtype: torch.dtype):
+def hf_config(args: LlamaArgs):
+    """The LlamaConfig of our args (the inverse of `LlamaArgs.from_hf_config`)."""
     from transformers import LlamaConfig
-    rope = {**(args.rope_scaling or {"rope_type": "default"}), "rope_theta": args.rope_theta}
+    if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:  # transformers >= 5
+        rope = {"rope_parameters": {**(args.rope_scaling or {"rope_type": "default"}), "rope_theta": args.rope_theta}}
+    else:
+        rope = {"rope_theta": args.rope_theta, "rope_scaling": args.rope_scaling}
     eos = args.eos_token_ids[0] if len(args.eos_token_ids) == 1 else list(args.eos_token_ids) or None
     return LlamaConfig(
         vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.hidden_dim,
         num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
-        head_dim=args.head_dim, rms_norm_eps=args.norm_eps, rope_parameters=rope,
-        max_position_embeddings=args.max_seq_len, tie_word_embeddings=args.tie_embeddings,
-        attention_bias=args.qkv_bias, bos_token_id=args.bos_token_id, eos_token_id=eos,
-        pad_token_id=args.eos_token_ids[0] if args.eos_token_ids else None, dtype=dtype)
+        head_dim=args.head_dim, rms_norm_eps=args.norm_eps, max_position_embeddings=args.max_seq_len,
+        tie_word_embeddings=args.tie_embeddings, attention_bias=args.qkv_bias, bos_token_id=args.bos_token_id,
+        eos_token_id=eos, pad_token_id=args.eos_token_ids[0] if args.eos_token_ids else None, **rope)
 
 
 def to_hf(backbone):
     """A `LlamaForCausalLM` holding the backbone's weights, in the backbone's dtype, in eval mode."""
     from transformers import LlamaForCausalLM
-    from transformers.initialization import no_init_weights
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers < 5
+        from transformers.modeling_utils import no_init_weights
     model = backbone.model
-    with no_init_weights():
-        hf = LlamaForCausalLM(hf_config(model.args, model.dtype))
+    with no_init_weights():  # every weight is loaded next: skip the random init
+        hf = LlamaForCausalLM(hf_config(model.args))
     missing, unexpected = hf.load_state_dict(to_hf_state_dict(model), strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise RuntimeError(f"HF Llama does not fit our weights: missing {missing}, unexpected {unexpected}")

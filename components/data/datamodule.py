@@ -1,0 +1,58 @@
+"""LightningDataModule over the self-distillation set: (hidden state, K future targets) pairs."""
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from components.data.self_distill import DistillSet, build_self_distill
+
+
+def head_targets(ds: DistillSet, num_heads: int) -> torch.Tensor:
+    """(total, K): column k-1 holds y_{t+1+k} = tokens[i + k] within the same answer, else -100."""
+    n = ds.tokens.numel()
+    out = torch.full((n, num_heads), -100, dtype=torch.long)
+    sample_end = torch.repeat_interleave(ds.offsets[1:], ds.offsets.diff())  # (total,) end of each answer
+    idx = torch.arange(n)
+    for k in range(1, num_heads + 1):
+        ok = idx + k < sample_end
+        out[ok, k - 1] = ds.tokens[idx[ok] + k]
+    return out
+
+
+class DistillDataModule(L.LightningDataModule):
+    def __init__(self, backbone, num_heads: int, max_samples: int = 1600, max_new_tokens: int = 160,
+                 gen_batch_size: int = 48, batch_size: int = 256, val_fraction: float = 0.05,
+                 prompt_seed: int = 0, root: str = "outputs/data", chat: bool = True, num_workers: int = 0):
+        super().__init__()
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"`data.val_fraction` must be in (0, 1), got {val_fraction}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"`data.batch_size` must be a positive int, got {batch_size}")
+        self.backbone, self.num_heads = backbone, num_heads
+        self.gen_kw = dict(max_samples=max_samples, max_new_tokens=max_new_tokens, batch_size=gen_batch_size,
+                           prompt_seed=prompt_seed, root=root, chat=chat)
+        self.batch_size, self.val_fraction, self.num_workers = batch_size, val_fraction, num_workers
+        self.train_set = self.val_set = None
+
+    def build(self) -> DistillSet:
+        return build_self_distill(self.backbone, **self.gen_kw)
+
+    def prepare_data(self):  # rank 0 generates; the others wait and load in setup
+        self.build()
+
+    def setup(self, stage=None):
+        train, val = self.build().split(self.val_fraction)
+        self.train_set, self.val_set = train, val
+        self.train_ds = TensorDataset(train.hidden, head_targets(train, self.num_heads))
+        self.val_ds = TensorDataset(val.hidden, head_targets(val, self.num_heads))
+
+    def train_dataloader(self):
+        return DataLoader(self.train_ds, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
+
+    def val_dataloader(self):
+        return DataLoader(self.val_ds, batch_size=1024, num_workers=self.num_workers)
+
+    def token_counts(self) -> torch.Tensor:
+        """(V,) how often each token occurs in the training answers."""
+        return torch.bincount(self.train_set.tokens, minlength=self.backbone.model.args.vocab_size)

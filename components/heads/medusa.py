@@ -1,0 +1,150 @@
+"""Medusa heads (group `heads`): K extra decoding heads on the backbone's last hidden state.
+
+Offset convention (stated once, used everywhere): at position t the backbone's LM head predicts
+token t+1; Medusa head k (k = 1..K) predicts token t+1+k. In decoding, t is the last accepted node,
+t+1 is the bonus token (the next root), so head k drafts the tree's depth-k tokens.
+
+Each head is `num_layers` residual blocks h + SiLU(W h + b) with W zero-initialised (the head starts
+as the backbone's own next-token head), then a vocabulary projection: the frozen backbone LM head
+shared by all heads (`lm_head: shared`), or a trainable per-head copy of it (`lm_head: copy`).
+Projections cover a draft vocabulary: the `draft_vocab` tokens most frequent in the training
+answers (null = the full vocabulary). A draft outside it can only cost an accepted token, never
+correctness, and a 49k-row projection per head per step is what makes heads slow on a CPU.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pipeline.errors import UserError
+
+FORMAT = "llm-decode-medusa-v1"
+
+
+class ResBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        nn.init.zeros_(self.linear.weight)  # identity at start
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + F.silu(self.linear(h))
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, dim: int, num_heads: int = 3, num_layers: int = 1, lm_head: str = "shared",
+                 vocab_ids: torch.Tensor | None = None, lm_weight: torch.Tensor | None = None):
+        """vocab_ids: (V',) the draft vocabulary as backbone token ids; lm_weight: (V', dim) the backbone
+        LM head rows for them (frozen buffer when shared, initial value of each copy otherwise)."""
+        super().__init__()
+        for name, v in (("num_heads", num_heads), ("num_layers", num_layers)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"`heads.{name}` must be a positive int, got {v}")
+        if lm_head not in ("shared", "copy"):
+            raise ValueError(f"`heads.lm_head` must be 'shared' or 'copy', got {lm_head!r}")
+        if vocab_ids is None or lm_weight is None or lm_weight.shape != (vocab_ids.numel(), dim):
+            raise ValueError("MedusaHeads needs vocab_ids (V',) and lm_weight (V', dim)")
+        self.dim, self.num_heads, self.num_layers, self.lm_head_mode = dim, num_heads, num_layers, lm_head
+        self.blocks = nn.ModuleList(nn.Sequential(*[ResBlock(dim) for _ in range(num_layers)]) for _ in range(num_heads))
+        self.register_buffer("vocab_ids", vocab_ids.long().clone())
+        if lm_head == "shared":
+            self.register_buffer("shared_weight", lm_weight.float().clone())  # (V', dim), frozen
+            self.proj = None
+        else:
+            self.proj = nn.Parameter(lm_weight.float().clone()[None].repeat(num_heads, 1, 1))  # (K, V', dim)
+        self._infer_w: torch.Tensor | None = None
+
+    def features(self, h: torch.Tensor) -> torch.Tensor:
+        """h: (N, dim) -> (K, N, dim)."""
+        return torch.stack([blk(h) for blk in self.blocks])
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h: (N, dim) backbone hidden states -> logits (K, N, V') over the draft vocabulary."""
+        f = self.features(h)
+        if self.proj is None:
+            return f @ self.shared_weight.t()
+        return torch.einsum("knd,kvd->knv", f, self.proj)
+
+    @torch.inference_mode()
+    def topk(self, h: torch.Tensor, k: int) -> torch.Tensor:
+        """One decode step: h (dim,) -> (K, k) backbone token ids, best first per head."""
+        f = self.features(h[None])[:, 0]  # (K, dim)
+        if self.proj is None:
+            if self._infer_w is None:  # [in, out] layout reads faster for a few rows
+                self._infer_w = self.shared_weight.t().contiguous()
+            logits = f @ self._infer_w  # (K, V')
+        else:
+            logits = torch.einsum("kd,kvd->kv", f, self.proj)
+        return self.vocab_ids[logits.topk(k, dim=-1).indices]
+
+    # --- checkpoints: safetensors only, never pickle -------------------------------------------
+    def save(self, path: str | Path, meta: dict) -> Path:
+        path = Path(path)
+        tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items() if k != "shared_weight"}
+        info = {"format": FORMAT, "dim": self.dim, "num_heads": self.num_heads, "num_layers": self.num_layers,
+                "lm_head": self.lm_head_mode, **meta}
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(tensors, tmp, metadata={"medusa": json.dumps(info)})
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, backbone) -> "MedusaHeads":
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"head checkpoint {path} does not exist: train one with `python -m pipeline.train` "
+                            "or pass proposer.checkpoint=<heads.safetensors>")
+        if path.suffix != ".safetensors":
+            raise UserError(f"head checkpoint {path} must be a .safetensors file (pickled checkpoints are refused)")
+        with safe_open(str(path), "pt") as f:
+            info = json.loads((f.metadata() or {}).get("medusa", "{}"))
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        if info.get("format") != FORMAT:
+            raise UserError(f"{path} is not a Medusa head checkpoint of this project (format {info.get('format')!r})")
+        args = backbone.model.args
+        if info["dim"] != args.dim or info.get("vocab_size") != args.vocab_size:
+            raise UserError(f"head checkpoint {path} was trained for hidden size {info['dim']} / vocab "
+                            f"{info.get('vocab_size')}, but the backbone has {args.dim} / {args.vocab_size}: "
+                            "use heads trained on this backbone")
+        if info.get("fingerprint") not in (None, backbone.model.fingerprint()):
+            raise UserError(f"head checkpoint {path} was trained on another backbone "
+                            f"({info.get('fingerprint')} != {backbone.model.fingerprint()}): retrain for this model")
+        vocab_ids = tensors["vocab_ids"]
+        heads = cls(info["dim"], info["num_heads"], info["num_layers"], info["lm_head"], vocab_ids,
+                    draft_lm_weight(backbone, vocab_ids))
+        heads.load_state_dict(tensors, strict=False)
+        heads.info = info
+        return heads.eval().requires_grad_(False)
+
+
+def draft_lm_weight(backbone, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """(V', dim) rows of the backbone's output projection for the draft vocabulary."""
+    return backbone.model.lm_head.detach().t()[vocab_ids].float()
+
+
+def select_draft_vocab(token_counts: torch.Tensor, size: int | None, always: list[int]) -> torch.Tensor:
+    """The `size` most frequent answer tokens plus `always` (EOS), as ascending ids; all when None."""
+    vocab = token_counts.numel()
+    if size is None or size >= vocab:
+        return torch.arange(vocab)
+    if not isinstance(size, int) or size < 8:
+        raise ValueError(f"`heads.draft_vocab` must be an int >= 8 or null, got {size}")
+    counts = token_counts.clone().float()
+    counts[always] = float("inf")
+    return counts.topk(size).indices.sort().values
+
+
+def build_heads(backbone, token_counts: torch.Tensor, num_heads: int = 3, num_layers: int = 1,
+                lm_head: str = "shared", draft_vocab: int | None = 8192) -> MedusaHeads:
+    """The `heads` group's target: fresh heads for a backbone, their draft vocabulary chosen from the
+    training answers' token counts (V,)."""
+    vocab_ids = select_draft_vocab(token_counts, draft_vocab, backbone.eos_ids)
+    return MedusaHeads(backbone.model.args.dim, num_heads, num_layers, lm_head, vocab_ids,
+                       draft_lm_weight(backbone, vocab_ids))

@@ -1,0 +1,50 @@
+"""Medusa proposer: the heads' top-k per depth, arranged by a static tree, verified by the target."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from components.heads.medusa import MedusaHeads
+from components.proposer.base import DecodeState, Proposer
+from pipeline.errors import UserError
+from pipeline.tree import StaticTree, Tree
+
+SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "checkpoints"
+
+
+def shipped_checkpoint(backbone_name: str) -> Path:
+    return SHIPPED / backbone_name / "heads.safetensors"
+
+
+class MedusaProposer(Proposer):
+    def __init__(self, backbone, checkpoint: str | None = None, choices=None, tree_file: str | None = "auto",
+                 width: int = 2, depth: int = 3, max_nodes: int = 16):
+        """checkpoint: heads.safetensors (null = the one shipped for this backbone). The tree is
+        `choices` when given, else `tree_file` ("auto" = the tree.json written beside the checkpoint
+        by `python -m pipeline.tree_search`, when present), else a full width x depth tree pruned to
+        max_nodes."""
+        path = Path(checkpoint) if checkpoint else shipped_checkpoint(backbone.name)
+        if checkpoint is None and not path.is_file():
+            raise UserError(f"no Medusa heads are shipped for model {backbone.name!r}: train them with "
+                            "`python -m pipeline.train` and pass proposer.checkpoint=<run dir>/heads.safetensors")
+        self.heads = MedusaHeads.load(path, backbone)
+        if choices is None and tree_file == "auto" and (path.parent / "tree.json").is_file():
+            tree_file = str(path.parent / "tree.json")
+        if choices is None and tree_file not in (None, "auto"):
+            if not Path(tree_file).is_file():
+                raise UserError(f"tree file {tree_file} does not exist: run `python -m pipeline.tree_search` or set tree.choices")
+            choices = json.loads(Path(tree_file).read_text())["choices"]
+        if choices is not None:
+            self.tree = StaticTree.from_choices(choices)
+        else:
+            self.tree = StaticTree.from_shape(width, min(depth, self.heads.num_heads), max_nodes)
+        if self.tree.depth > self.heads.num_heads:
+            raise UserError(f"tree depth {self.tree.depth} exceeds the checkpoint's {self.heads.num_heads} heads: "
+                            f"use tree.depth <= {self.heads.num_heads}")
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState) -> Tree | None:
+        topk = self.heads.topk(state.hidden.float(), self.tree.max_rank)  # (K, k): head k drafts depth k
+        return self.tree.fill(state.tokens[-1], topk[:self.tree.depth])

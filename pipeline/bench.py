@@ -1,0 +1,223 @@
+"""python -m pipeline.bench decodes=[greedy,tree_ngram] [input=...] [max_new_tokens=N] [repeats=R]
+
+Every listed pipeline runs in this process on the same tokenized requests: a warm-up on the first
+request, then `repeats` rounds, each running every pipeline over the whole set in the listed order
+(A B A B ...), so a drift in machine speed hits all of them alike. The first listed is the baseline.
+Each entry is composed like `python -m pipeline decode=<name> <common> <entry overrides>`, where the
+common overrides are the ones given to the bench itself; one backbone is loaded per distinct model
+config and shared. Writes bench.json into the run directory and prints a Markdown table.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shlex
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hydra
+import torch
+import yaml
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from pipeline.build import build_decoder, component, model_key
+from pipeline.cli import CONF_DIR, check_group_overrides, groups
+from pipeline.decode import first_divergence, run_requests, summarize
+from pipeline.errors import UserError, one_line_errors
+from pipeline.hf_peer import GENERATE_KNOBS, PEERS, HFPeer, to_hf
+from pipeline.io import run_dir, write_json
+from pipeline.requests import encode, load_requests
+
+DEFAULT_INPUT = Path(__file__).resolve().parent / "prompts" / "bench.jsonl"
+# read by the bench itself; every other override given to the bench is passed to each pipeline
+BENCH_KEYS = ("decodes", "repeats", "input", "prompt", "max_new_tokens", "stream")
+
+
+@dataclass
+class Entry:
+    label: str  # its key in bench.json: the name and overrides as given
+    name: str  # a decode preset or a peer (pipeline.hf_peer.PEERS)
+    overrides: list[str]
+
+
+@dataclass
+class Pipeline:
+    entry: Entry
+    runner: object  # a Decoder or an HFPeer: `.seed`, `.generate(prompt_ids, on_tokens, seed)`
+    backbone: object
+    prompts: list[list[int]]
+    walls: list[float] = field(default_factory=list)  # seconds per round
+    tokens: list[int] = field(default_factory=list)  # new tokens per round
+    gens: list = field(default_factory=list)  # the last round's Generations
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def parse_entries(decodes) -> list[Entry]:
+    known = groups()["decode"]
+    out: list[Entry] = []
+    for raw in [decodes] if isinstance(decodes, str) else list(decodes or []):
+        parts = shlex.split(str(raw))
+        if not parts:
+            raise UserError("decodes holds an empty entry: give preset names, e.g. decodes=[greedy,tree_ngram]")
+        name, overrides = parts[0], parts[1:]
+        if name not in known and name not in PEERS:
+            raise UserError(f"unknown decode {name!r} in decodes; known: {', '.join(known + sorted(PEERS))}")
+        label = " ".join(parts)
+        if any(e.label == label for e in out):
+            raise UserError(f"decodes lists {label!r} twice")
+        out.append(Entry(label, name, overrides))
+    if not out:
+        raise UserError("nothing to benchmark: pass decodes=[greedy,tree_ngram]")
+    return out
+
+
+def common_overrides(cfg: DictConfig, given: list[str]) -> list[str]:
+    """The bench's own command-line overrides that every pipeline gets, plus its defaults that
+    differ from a plain decode run (max_new_tokens, no streaming)."""
+    if any(_key(o) == "decode" for o in given):
+        raise UserError("the bench takes decodes=[a,b,...] (a list), not decode=")
+    passed = [o for o in given if _key(o).split(".")[0] not in BENCH_KEYS]
+    return [*passed, f"max_new_tokens={cfg.max_new_tokens}", "stream=false"]
+
+
+@contextlib.contextmanager
+def _conf_dir():
+    """`hydra.compose` needs an initialized GlobalHydra: the bench app's own (it searches the same
+    conf/) under `python -m pipeline.bench`, or a temporary one when called from Python."""
+    from hydra.core.global_hydra import GlobalHydra
+    if GlobalHydra.instance().is_initialized():
+        yield
+    else:
+        with hydra.initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            yield
+
+
+def compose(entry: Entry, common: list[str]) -> DictConfig:
+    """The decode config of one entry; a peer composes decode=greedy (model, max_new_tokens, seed)
+    and keeps its `generate` knobs out of it."""
+    peer = entry.name in PEERS
+    own = [o for o in entry.overrides if not (peer and _key(o) in GENERATE_KNOBS)]
+    overrides = [f"decode={'greedy' if peer else entry.name}", *common, *own]
+    try:
+        with _conf_dir():
+            return hydra.compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise UserError(f"decodes entry {entry.label!r}: {e}") from e
+
+
+def cli_overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+    try:
+        return list(HydraConfig.get().overrides.task)
+    except ValueError:  # not inside a Hydra app
+        return []
+
+
+def bench(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[dict, dict]:
+    """`overrides`: the bench's command-line overrides (default: read from Hydra)."""
+    given = cli_overrides() if overrides is None else list(overrides)
+    repeats = cfg.repeats
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats <= 0:
+        raise UserError(f"repeats must be a positive int, got {repeats}")
+    entries = parse_entries(cfg.decodes)
+    common = common_overrides(cfg, given)
+    reqs = load_requests(None if cfg.get("prompt") is not None else str(cfg.get("input") or DEFAULT_INPUT),
+                         cfg.get("prompt"))
+    if any(r.constraint for r in reqs):
+        raise UserError("the bench does not apply per-request constraints (json_schema/regex/grammar): "
+                        "remove them from the input lines")
+    backbones, hf_models, encoded, pipes = {}, {}, {}, []
+    for e in entries:
+        pcfg = compose(e, common)
+        key = model_key(pcfg)
+        if key not in backbones:
+            backbones[key] = component(pcfg.model)
+        bb = backbones[key]
+        if e.name in PEERS:
+            if key not in hf_models:
+                hf_models[key] = to_hf(bb)
+            knobs = {**PEERS[e.name], **{_key(o): yaml.safe_load(o.split("=", 1)[1])
+                                         for o in e.overrides if _key(o) in GENERATE_KNOBS}}
+            runner = HFPeer(hf_models[key], bb.eos_ids, pcfg.max_new_tokens, seed=int(pcfg.seed), **knobs)
+        else:
+            runner, _ = build_decoder(pcfg, bb)
+        tkey = (key, bool(pcfg.chat), pcfg.get("system_prompt"))  # each request is tokenized once
+        if tkey not in encoded:
+            encoded[tkey] = [encode(bb.tokenizer, r, bool(pcfg.chat), pcfg.get("system_prompt")) for r in reqs]
+        pipes.append(Pipeline(e, runner, bb, encoded[tkey]))
+    for p in pipes:  # warm-up: first-call allocations and lazy initialisation stay out of the timing
+        p.runner.generate(p.prompts[0], seed=p.runner.seed)
+    for r in range(repeats):
+        for p in pipes:
+            gens, wall = run_requests(p.runner, p.backbone.tokenizer, p.prompts)
+            p.walls.append(wall)
+            p.tokens.append(sum(len(g.token_ids) for g in gens))
+            p.gens = gens
+        print(f"round {r + 1}/{repeats}: " + ", ".join(f"{p.entry.label} {p.tokens[-1] / p.walls[-1]:.1f} tokens/s"
+                                                       for p in pipes), file=sys.stderr, flush=True)
+    base = pipes[0]
+    result = {"baseline": base.entry.label, "repeats": repeats, "requests": len(reqs),
+              "max_new_tokens": int(cfg.max_new_tokens),
+              "pipelines": {p.entry.label: pipeline_report(p, base, reqs) for p in pipes},
+              "machine": {"torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+                          "torch": torch.__version__, "python": platform.python_version(),
+                          "platform": platform.platform()},
+              "command": " ".join(["python -m pipeline.bench", *map(shlex.quote, given)])}
+    path = write_json(run_dir(cfg) / "bench.json", result)
+    return {**result, "bench_path": str(path)}, {"pipelines": pipes, "backbones": list(backbones.values())}
+
+
+def pipeline_report(p: Pipeline, base: Pipeline, reqs) -> dict:
+    s = summarize(p.gens, p.walls[-1])  # steps, accepted length, acceptance by depth, step latency
+    tps = statistics.median(n / w for n, w in zip(p.tokens, p.walls))
+    base_tps = statistics.median(n / w for n, w in zip(base.tokens, base.walls))
+    per_request = []
+    for r, g, b in zip(reqs, p.gens, base.gens):
+        d = first_divergence(g.token_ids, b.token_ids)
+        per_request.append({"id": r.id, "new_tokens": len(g.token_ids), "identical": d is None,
+                            "first_divergence": d, "finish_reason": g.finish_reason})
+    steps_ms = [ms for g in p.gens for ms in g.step_ms]
+    rnd = lambda x, n=3: None if x is None else round(x, n)  # noqa: E731
+    return {"tokens_per_s": round(tps, 2), "wall_s": [round(w, 4) for w in p.walls],
+            "new_tokens": s["new_tokens"], "steps": s["steps"],
+            "mean_accepted_length": rnd(s["mean_accepted_length"]),
+            "speedup": round(tps / base_tps, 3) if base_tps > 0 else None,
+            "identical_to_baseline": all(x["identical"] for x in per_request),
+            "model": p.backbone.name, "dtype": str(p.backbone.model.dtype).removeprefix("torch."),
+            "mean_step_ms": rnd(statistics.mean(steps_ms) if steps_ms else None),
+            "tree_step_ms": rnd(s["tree_step_ms"]), "plain_step_ms": rnd(s["plain_step_ms"]),
+            "acceptance_by_depth": {d: round(v, 3) for d, v in s["acceptance_by_depth"].items()},
+            "per_request": per_request}
+
+
+def markdown_table(result: dict) -> str:
+    rows = ["| pipeline | tokens/s | speedup | mean accepted length | identical |",
+            "|---|---:|---:|---:|:---:|"]
+    for label, p in result["pipelines"].items():
+        mal = "-" if p["mean_accepted_length"] is None else f"{p['mean_accepted_length']:.2f}"
+        speed = "-" if p["speedup"] is None else f"{p['speedup']:.2f}"
+        rows.append(f"| {label} | {p['tokens_per_s']:.1f} | {speed} | {mal} | "
+                    f"{'yes' if p['identical_to_baseline'] else 'no'} |")
+    return "\n".join(rows)
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="bench")
+@one_line_errors
+def main(cfg: DictConfig) -> dict:
+    result, _ = bench(cfg)
+    print(markdown_table(result), flush=True)
+    print(f"-> {result['bench_path']}", file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    check_group_overrides(sys.argv[1:])
+    main()

@@ -1,0 +1,83 @@
+"""python -m pipeline.train [heads=medusa] [data=self_distill] [trainer.max_steps=N] [logger=wandb]
+
+`train(cfg) -> (metrics, objects)`: self-distillation data, then Medusa heads trained by Lightning on
+the frozen backbone. Everything goes into the run directory: checkpoints/ (Lightning, resumable),
+wandb/ (offline unless logger.offline=false), csv/, heads.safetensors (what decoding loads with
+proposer.checkpoint=...), metrics.json and train_config.yaml.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.cli import CONF_DIR, check_group_overrides
+from pipeline.errors import one_line_errors
+
+
+def train(cfg: DictConfig) -> tuple[dict, dict]:
+    import lightning as L
+    import torch
+    from hydra.utils import instantiate
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from pipeline.build import component
+    from pipeline.io import run_dir, write_json
+
+    out = run_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    L.seed_everything(int(cfg.seed), workers=True)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    backbone = component(cfg.model)
+    data = component(cfg.data, backbone, num_heads=cfg.heads.num_heads)
+    data.setup("fit") if data.train_set is None else None
+    heads = instantiate(cfg.heads)(backbone=backbone, token_counts=data.token_counts())
+    module = instantiate(cfg.module, heads=heads, optimizer=instantiate(cfg.optimizer),
+                         scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None)
+    loggers = [CSVLogger(str(out), name="csv")]
+    if cfg.get("logger"):
+        loggers.append(instantiate(cfg.logger, save_dir=str(out)))
+    ckpt_dir = out / "checkpoints"
+    ckpt = ModelCheckpoint(dirpath=str(ckpt_dir), save_last=True, every_n_train_steps=cfg.checkpoint_every,
+                           save_top_k=-1)
+    trainer = instantiate(cfg.trainer, logger=loggers, callbacks=[ckpt], default_root_dir=str(out))
+    last = ckpt_dir / "last.ckpt"
+    t0 = time.perf_counter()
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=str(last) if cfg.resume and last.is_file() else None)
+        wall = time.perf_counter() - t0
+        val = trainer.validate(module, datamodule=data, verbose=False)[0] if trainer.is_global_zero or True else {}
+    finally:
+        for lg in loggers:
+            if hasattr(lg, "experiment") and type(lg).__name__ == "WandbLogger":
+                import wandb
+                wandb.finish()
+    metrics = {k: float(v) for k, v in val.items()}
+    metrics.update({"train_wall_s": round(wall, 1), "train_tokens": int(data.train_set.tokens.numel()),
+                    "val_tokens": int(data.val_set.tokens.numel()), "steps": int(trainer.global_step),
+                    "draft_vocab": int(heads.vocab_ids.numel())})
+    if trainer.is_global_zero:
+        meta = {"vocab_size": backbone.model.args.vocab_size, "fingerprint": backbone.model.fingerprint(),
+                "backbone": backbone.name, "metrics": metrics, "command": " ".join(sys.argv)}
+        heads.save(out / "heads.safetensors", meta)
+        write_json(out / "metrics.json", metrics)
+        (out / "train_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    return metrics, {"heads": heads, "module": module, "trainer": trainer, "data": data, "backbone": backbone}
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
+@one_line_errors
+def main(cfg: DictConfig) -> dict:
+    metrics, _ = train(cfg)
+    print(json.dumps(metrics, indent=2), file=sys.stderr)
+    return metrics
+
+
+if __name__ == "__main__":
+    check_group_overrides(sys.argv[1:])
+    main()
