@@ -30,6 +30,7 @@ class MedusaProposer(Proposer):
             raise UserError(f"no Medusa heads are shipped for model {backbone.name!r}: train them with "
                             "`python -m pipeline.train` and pass proposer.checkpoint=<run dir>/heads.safetensors")
         self.heads = MedusaHeads.load(path, backbone)
+        self.checkpoint_path = path
         if choices is None and tree_file == "auto" and (path.parent / "tree.json").is_file():
             tree_file = str(path.parent / "tree.json")
         if choices is None and tree_file not in (None, "auto"):

@@ -1,0 +1,93 @@
+"""The benchmark (`python -m pipeline.bench`) and its Hugging Face peers, on model=tiny: the inverse
+weight conversion round-trips, hf_greedy equals our greedy token for token, and a real bench run
+writes the contract's bench.json and table."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from conftest import PYTHON, REPO_ROOT, compose_config
+
+from components.model.load import convert_hf_state_dict
+from pipeline.bench import bench, markdown_table
+from pipeline.build import build_decoder
+from pipeline.hf_peer import HFPeer, to_hf, to_hf_state_dict
+from pipeline.requests import Request, encode
+
+PROMPTS = ["hi", "Write a poem about the sea, the sea and the sea.", "Count: 1 2 3 4 5 6 7 8 9"]
+
+
+def test_inverse_conversion_round_trips(tiny_backbone):
+    model = tiny_backbone.model
+    back = convert_hf_state_dict(to_hf_state_dict(model), model.args)
+    ours = model.state_dict()
+    assert back.keys() == ours.keys()
+    for k, v in ours.items():
+        assert torch.equal(back[k], v), k
+
+
+def test_hf_greedy_equals_our_greedy(tiny_backbone):
+    decoder, bb = build_decoder(compose_config(["model=tiny", "max_new_tokens=16"]), tiny_backbone)
+    peer = HFPeer(to_hf(bb), bb.eos_ids, 16)
+    for text in PROMPTS:
+        ids = encode(bb.tokenizer, Request("r", text), chat=True)
+        ours, theirs = decoder.generate(ids), peer.generate(ids)
+        assert theirs.token_ids == ours.token_ids
+        assert theirs.finish_reason == ours.finish_reason
+        assert sum(theirs.accepted_lengths) == len(theirs.token_ids) == theirs.steps  # one token a forward
+
+
+def write_requests(path, n=2):
+    path.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS[:n])))
+    return path
+
+
+def test_bench_cli_writes_bench_json(tmp_path):
+    inp = write_requests(tmp_path / "req.jsonl")
+    out = tmp_path / "run"
+    proc = subprocess.run([PYTHON, "-m", "pipeline.bench", "decodes=[greedy,sample,hf_greedy]", "model=tiny",
+                           f"input={inp}", "max_new_tokens=4", "repeats=2", f"hydra.run.dir={out}"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads((out / "bench.json").read_text())
+    assert res["baseline"] == "greedy" and res["repeats"] == 2 and res["requests"] == 2
+    assert list(res["pipelines"]) == ["greedy", "sample", "hf_greedy"]
+    assert {"torch_threads", "cpu_count"} <= res["machine"].keys() and res["command"].startswith("python -m")
+    for p in res["pipelines"].values():
+        assert len(p["wall_s"]) == 2 and p["tokens_per_s"] > 0
+        assert [r["id"] for r in p["per_request"]] == ["q0", "q1"]
+        assert {"mean_step_ms", "tree_step_ms", "plain_step_ms", "acceptance_by_depth"} <= p.keys()
+    g, hf = res["pipelines"]["greedy"], res["pipelines"]["hf_greedy"]
+    assert g["speedup"] == 1.0 and g["identical_to_baseline"] and g["mean_accepted_length"] == 1.0
+    assert hf["identical_to_baseline"] and hf["mean_accepted_length"] == 1.0
+    assert "| pipeline | tokens/s | speedup | mean accepted length | identical |" in proc.stdout
+    assert "| hf_greedy |" in proc.stdout
+
+
+@pytest.mark.parametrize("decodes, message", [
+    ("decodes=[greedy,nope]", "unknown decode 'nope' in decodes; known: greedy"),
+    ("decode=greedy", "not decode="),
+])
+def test_bench_bad_input_is_one_line(decodes, message, tmp_path):
+    proc = subprocess.run([PYTHON, "-m", "pipeline.bench", decodes, "model=tiny", f"hydra.run.dir={tmp_path}"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and message in proc.stderr
+    assert "hf_greedy" in proc.stderr or "decodes=" in proc.stderr
+
+
+def test_bench_in_process_with_entry_overrides(tmp_path, monkeypatch):
+    """Called from Python (no Hydra app): entries carry their own overrides, the model is shared."""
+    monkeypatch.chdir(tmp_path)  # outside Hydra, bench.json goes to the working directory
+    overrides = ["model=tiny", 'decodes=[greedy,"greedy seed=1","hf_beam num_beams=2"]',
+                 "prompt=hi", "max_new_tokens=3", "repeats=1"]
+    cfg = compose_config(overrides, config_name="bench")
+    res, objs = bench(cfg, overrides)
+    assert list(res["pipelines"]) == ["greedy", "greedy seed=1", "hf_beam num_beams=2"]
+    assert len(objs["backbones"]) == 1  # one model config, loaded once
+    assert res["pipelines"]["greedy seed=1"]["identical_to_baseline"]  # greedy ignores the seed
+    assert objs["pipelines"][2].runner.num_beams == 2
+    assert (tmp_path / "bench.json").is_file()
+    assert markdown_table(res).count("\n") == 4
