@@ -2,6 +2,7 @@
 slow tests load it once), and a helper that composes the project's real Hydra configs."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,21 @@ import pipeline.cli
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+
+# One intra-op thread unless TEST_TORCH_THREADS says otherwise. On a 2-core machine that is also
+# running anything else, torch's OpenMP pool spin-waits: a tiny-model step measured 0.7 ms with one
+# thread and 68 ms with two, a SmolLM2 step 60 ms vs 660 ms. Results do not depend on it.
+TORCH_THREADS = int(os.environ.get("TEST_TORCH_THREADS", "1"))
+torch.set_num_threads(TORCH_THREADS)
+
+
+def subprocess_env() -> dict[str, str]:
+    """Environment for `python -m pipeline ...` subprocesses: same thread policy, no colour codes."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(TORCH_THREADS))
+    env.setdefault("MKL_NUM_THREADS", str(TORCH_THREADS))
+    env["HYDRA_FULL_ERROR"] = env.get("HYDRA_FULL_ERROR", "0")
+    return env
 
 
 def compose_config(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config",
@@ -50,10 +66,17 @@ def real_backbone():
 
 
 @pytest.fixture(scope="session")
-def real_hf(real_backbone):
-    """transformers' LlamaForCausalLM holding exactly the real backbone's weights (fp32, eval)."""
-    from pipeline.hf_peer import to_hf
-    return to_hf(real_backbone)
+def real_hf():
+    """The real model as transformers loads it from the same GGUF file (fp32, eval): a reference
+    independent of our conversion and cache. De-quantizing takes ~20 s, once per session."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from components.model.load import smollm2_gguf
+    hf_logging.set_verbosity_error()
+    path = smollm2_gguf()
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return hf.eval().requires_grad_(False)
 
 
 @pytest.fixture(autouse=True)

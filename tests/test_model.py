@@ -177,27 +177,15 @@ def test_from_pretrained_max_seq_len_override(tmp_path, tiny_backbone):
     assert from_pretrained(path=str(tmp_path), max_seq_len=64).model.args.max_seq_len == 64
 
 
-@pytest.fixture(scope="module")
-def real_hf_from_gguf():
-    """The real model loaded by transformers itself from the GGUF file (independent of our cache)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from components.model.load import smollm2_gguf
-    hf_logging.set_verbosity_error()
-    path = smollm2_gguf()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-
-
 @pytest.mark.slow
-def test_real_model_matches_transformers(real_backbone, real_hf_from_gguf):
+def test_real_model_matches_transformers(real_backbone, real_hf):
     tok, model = real_backbone.tokenizer, real_backbone.model
     text = tok.apply_chat_template([{"role": "user", "content": "Name three colours of the rainbow."}],
                                    tokenize=False, add_generation_prompt=True)
     tokens = torch.tensor([tok.encode(text, add_special_tokens=False)])
     T = tokens.shape[1]
     assert T > 16
-    ref = hf_logits(real_hf_from_gguf, tokens)
+    ref = hf_logits(real_hf, tokens)
     assert_close(prefill_logits(model, tokens), ref, "real model: prefill")
     assert_close(block_logits(model, tokens, T - 6, explicit_mask=True), ref, "real model: block after cache")
     # the last 8 positions one at a time on top of a cached prefix

@@ -73,3 +73,18 @@ class MedusaModule(L.LightningModule):
         if self.scheduler_factory is None:
             return opt
         return {"optimizer": opt, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer=opt), "interval": "step"}}
+
+
+def warmup_cosine(optimizer, total_steps: int, warmup_steps: int = 50, min_ratio: float = 0.05):
+    """Linear warm-up, then cosine decay to min_ratio x lr at total_steps. A LambdaLR, so a resumed
+    run with a larger total_steps simply follows the new schedule from where it stopped."""
+    import math
+    if not isinstance(total_steps, int) or total_steps < 1:
+        raise ValueError(f"`scheduler.total_steps` must be a positive int, got {total_steps}")
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        t = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

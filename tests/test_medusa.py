@@ -1,0 +1,196 @@
+"""Medusa heads: the offset convention, the loss, the training job (checkpoints, resume, wandb,
+DDP), checkpoint refusal, lossless tree_medusa decoding, and the export layouts."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from components.data.datamodule import head_targets
+from components.data.self_distill import DistillSet, generate_batch
+from components.heads.medusa import MedusaHeads, build_heads, select_draft_vocab
+from components.heads.module import MedusaModule, head_weights
+from pipeline.errors import UserError
+from tests.conftest import PYTHON, REPO_ROOT, compose_config
+
+TRAIN = ["model=tiny", "data.max_samples=24", "data.max_new_tokens=12", "data.gen_batch_size=12",
+         "data.batch_size=32", "heads.draft_vocab=null", "~logger"]
+
+
+def test_head_targets_follow_the_offset_convention():
+    # two answers: [10, 11, 12, 13] and [20, 21]
+    ds = DistillSet(torch.tensor([10, 11, 12, 13, 20, 21]), torch.zeros(6, 4), torch.tensor([0, 4, 6]))
+    t = head_targets(ds, 2)
+    # hidden[i] predicts tokens[i] (backbone head, t+1); head k predicts tokens[i + k] (t+1+k)
+    assert t[:, 0].tolist() == [11, 12, 13, -100, 21, -100]
+    assert t[:, 1].tolist() == [12, 13, -100, -100, -100, -100]
+
+
+def test_loss_weights():
+    assert head_weights(3, 0.8) == pytest.approx([0.8, 0.64, 0.512])
+    assert head_weights(2, weights=[1.0, 0.5]) == [1.0, 0.5]
+    with pytest.raises(ValueError, match="loss.weights"):
+        head_weights(3, weights=[1.0])
+    with pytest.raises(ValueError, match="decay"):
+        head_weights(3, decay=0.0)
+
+
+def test_fresh_heads_are_the_backbone_head(tiny_backbone):
+    """Zero-initialised ResBlocks are the identity: every head starts as the backbone's LM head."""
+    m = tiny_backbone.model
+    counts = torch.ones(m.args.vocab_size)
+    heads = build_heads(tiny_backbone, counts, num_heads=2, draft_vocab=None)
+    h = torch.randn(5, m.args.dim)
+    torch.testing.assert_close(heads(h)[1], m.logits(h), atol=1e-4, rtol=1e-4)
+    copy = build_heads(tiny_backbone, counts, num_heads=2, lm_head="copy", draft_vocab=None)
+    assert sum(p.numel() for p in copy.parameters() if p.requires_grad) > sum(p.numel() for p in heads.parameters())
+
+
+def test_draft_vocab_keeps_eos_and_the_most_frequent():
+    counts = torch.tensor([5, 0, 9, 1, 7, 0, 3, 2, 8, 4, 6, 0])
+    ids = select_draft_vocab(counts, 8, always=[11])
+    assert 11 in ids.tolist() and 2 in ids.tolist() and 1 not in ids.tolist()
+    assert ids.tolist() == sorted(ids.tolist())
+
+
+def test_loss_is_weighted_cross_entropy_over_valid_targets(tiny_backbone):
+    heads = build_heads(tiny_backbone, torch.ones(tiny_backbone.model.args.vocab_size), num_heads=2, draft_vocab=None)
+    module = MedusaModule(heads, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), decay=0.5)
+    module.log = lambda *a, **k: None
+    h = torch.randn(4, tiny_backbone.model.args.dim)
+    y = torch.tensor([[1, 2], [3, -100], [5, 6], [7, -100]])
+    logits = heads(h)
+    ref = 0.5 * torch.nn.functional.cross_entropy(logits[0], y[:, 0]) \
+        + 0.25 * torch.nn.functional.cross_entropy(logits[1], y[:, 1], ignore_index=-100)
+    torch.testing.assert_close(module.step((h, y), "train"), ref)
+
+
+def test_batched_generation_matches_plain_greedy(tiny_backbone):
+    from components.kv.contiguous import ContiguousKV
+    from components.sampler.logits import Sampler
+    from pipeline.decoder import Decoder
+    tok = tiny_backbone.tokenizer
+    prompts = [tok.encode(t) for t in ["a b c", "the quick brown fox jumps", "hello"]]
+    out = generate_batch(tiny_backbone, prompts, 10)
+    dec = Decoder(tiny_backbone.model, ContiguousKV(tiny_backbone), Sampler(False), tiny_backbone.eos_ids, 10)
+    for p, (toks, hidden) in zip(prompts, out):
+        assert dec.generate(p).token_ids == toks
+        assert hidden.shape == (len(toks), tiny_backbone.model.args.dim)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A seconds-long training run on the tiny model, through the real entry point."""
+    from pipeline.train import train
+    root = tmp_path_factory.mktemp("train")
+    cfg = compose_config([*TRAIN, "trainer.max_steps=6", f"data.root={root / 'data'}"], config_name="train",
+                         output_dir=root / "run")
+    metrics, objs = train(cfg)
+    return root, metrics, objs
+
+
+def test_training_writes_checkpoints_metrics_and_heads(trained):
+    root, metrics, _ = trained
+    run = root / "run"
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert (run / "heads.safetensors").is_file() and (run / "metrics.json").is_file()
+    for k in (1, 2, 3):
+        assert f"val/head{k}_top1" in metrics and f"val/head{k}_top5" in metrics and f"val/head{k}_loss" in metrics
+    csv = next((run / "csv").rglob("metrics.csv")).read_text()
+    assert "train/head1_loss" in csv.splitlines()[0]
+    data = next((root / "data").glob("self_distill-*"))
+    assert (data / "config.json").is_file() and (data / "data.safetensors").is_file()
+
+
+def test_training_resumes_from_last_checkpoint(trained):
+    from pipeline.train import train
+    root, _, _ = trained
+    cfg = compose_config([*TRAIN, "trainer.max_steps=9", f"data.root={root / 'data'}"], config_name="train",
+                         output_dir=root / "run")
+    metrics, _ = train(cfg)
+    assert metrics["steps"] == 9  # 6 restored + 3 new
+
+
+def test_wandb_logs_offline_into_the_run_dir(tmp_path, trained):
+    from pipeline.train import train
+    root, _, _ = trained
+    cfg = compose_config([*[o for o in TRAIN if o != "~logger"], "trainer.max_steps=2",
+                          f"data.root={root / 'data'}"], config_name="train", output_dir=tmp_path)
+    train(cfg)
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_checkpoint_refusals(trained, tmp_path):
+    from components.model.load import tiny
+    root, _, _ = trained
+    ckpt = root / "run" / "heads.safetensors"
+    with pytest.raises(UserError, match="hidden size"):
+        MedusaHeads.load(ckpt, tiny(dim=32, n_heads=2, n_kv_heads=1))
+    with pytest.raises(UserError, match="another backbone"):
+        MedusaHeads.load(ckpt, tiny(seed=1))
+    pickled = tmp_path / "heads.pt"
+    torch.save({"x": torch.zeros(1)}, pickled)
+    with pytest.raises(UserError, match="safetensors"):
+        MedusaHeads.load(pickled, tiny())
+    with pytest.raises(UserError, match="does not exist"):
+        MedusaHeads.load(tmp_path / "missing.safetensors", tiny())
+
+
+def test_tree_medusa_is_lossless(trained, tiny_backbone, tmp_path):
+    from pipeline.decode import decode
+    root, _, _ = trained
+    cfg = compose_config(["decode=tree_medusa", "model=tiny", f"proposer.checkpoint={root / 'run' / 'heads.safetensors'}",
+                          "proposer.tree_file=null", "tree.width=2", "tree.depth=3", "tree.max_nodes=8",
+                          "prompt=hello there", "max_new_tokens=40", "stream=false", "verify_lossless=true"],
+                         output_dir=tmp_path)
+    metrics, objs = decode(cfg, tiny_backbone)
+    assert metrics["lossless"], objs["results"]["items"][0]
+    assert metrics["steps"] < 40  # the heads did draft something
+
+
+def test_tree_search_writes_a_valid_tree(trained, tmp_path):
+    from pipeline.tree_search import search
+    root, _, _ = trained
+    cfg = compose_config(["model=tiny", f"proposer.checkpoint={root / 'run' / 'heads.safetensors'}",
+                          "data.max_samples=24", "data.max_new_tokens=12", f"data.root={root / 'data'}",
+                          "search.max_nodes=6", "search.max_rank=3", "search.repeats=1",
+                          "search.latency_nodes=[1,2,4]"], config_name="tree_search", output_dir=tmp_path)
+    result, _ = search(cfg)
+    tree = json.loads((tmp_path / "tree.json").read_text())
+    assert tree["choices"] == result["choices"] and 1 <= len(tree["choices"]) <= 6
+    from pipeline.tree import StaticTree
+    StaticTree.from_choices(tree["choices"])  # every path's parent is in the tree
+    rows = tree["table"]
+    assert all(b["expected_accept_length"] >= a["expected_accept_length"] for a, b in zip(rows, rows[1:]))
+
+
+@pytest.mark.parametrize("fmt", ["medusa", "vllm"])
+def test_export_layouts(trained, tiny_backbone, tmp_path, fmt):
+    from pipeline.export import export
+    root, _, _ = trained
+    out = export(str(root / "run" / "heads.safetensors"), str(tmp_path), fmt, backbone=tiny_backbone)
+    cfg = json.loads((out / "config.json").read_text())
+    V, D = tiny_backbone.model.args.vocab_size, tiny_backbone.model.args.dim
+    if fmt == "medusa":
+        t = load_file(out / "medusa_lm_head.safetensors")
+        assert cfg["medusa_num_heads"] == 3 and cfg["medusa_num_layers"] == 1
+        assert t["0.0.linear.weight"].shape == (D, D) and t["2.1.weight"].shape == (V, D)
+    else:
+        t = load_file(out / "model.safetensors")
+        assert cfg["model_type"] == "medusa" and cfg["num_heads"] == 3
+        assert t["blocks.1.layers.0.bias"].shape == (D,) and t["lm_heads.2.weight"].shape == (V, D)
+
+
+def test_ddp_two_processes_on_cpu(tmp_path):
+    """The same job under Lightning's DDP strategy: 2 processes, gloo, a few steps."""
+    run = tmp_path / "run"
+    r = subprocess.run([PYTHON, "-m", "pipeline.train", *TRAIN, "trainer.max_steps=3", "trainer.strategy=ddp",
+                        "trainer.devices=2", f"data.root={tmp_path / 'data'}", f"hydra.run.dir={run}"],
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (run / "heads.safetensors").is_file()
+    assert json.loads((run / "metrics.json").read_text())["steps"] == 3
