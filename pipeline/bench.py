@@ -128,12 +128,37 @@ def bench(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[dict, di
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats <= 0:
         raise UserError(f"repeats must be a positive int, got {repeats}")
     entries = parse_entries(cfg.decodes)
-    common = common_overrides(cfg, given)
     reqs = load_requests(None if cfg.get("prompt") is not None else str(cfg.get("input") or DEFAULT_INPUT),
                          cfg.get("prompt"))
     if any(r.constraint for r in reqs):
         raise UserError("the bench does not apply per-request constraints (json_schema/regex/grammar): "
                         "remove them from the input lines")
+    pipes, backbones = build_pipelines(entries, common_overrides(cfg, given), reqs)
+    for p in pipes:  # warm-up: first-call allocations and lazy initialisation stay out of the timing
+        p.runner.generate(p.prompts[0], seed=p.runner.seed)
+    for r in range(repeats):
+        for p in pipes:
+            gens, wall = run_requests(p.runner, p.prompts)
+            p.walls.append(wall)
+            p.tokens.append(sum(len(g.token_ids) for g in gens))
+            p.gens = gens
+        print(f"round {r + 1}/{repeats}: " + ", ".join(f"{p.entry.label} {p.tokens[-1] / p.walls[-1]:.1f} tokens/s"
+                                                       for p in pipes), file=sys.stderr, flush=True)
+    base = pipes[0]
+    result = {"baseline": base.entry.label, "repeats": repeats, "requests": len(reqs),
+              "max_new_tokens": int(cfg.max_new_tokens),
+              "pipelines": {p.entry.label: pipeline_report(p, base, reqs) for p in pipes},
+              "machine": {"torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+                          "torch": torch.__version__, "python": platform.python_version(),
+                          "platform": platform.platform()},
+              "command": " ".join(["python -m pipeline.bench", *map(shlex.quote, given)])}
+    path = write_json(run_dir(cfg) / "bench.json", result)
+    return {**result, "bench_path": str(path)}, {"pipelines": pipes, "backbones": backbones}
+
+
+def build_pipelines(entries: list[Entry], common: list[str], reqs) -> tuple[list[Pipeline], list]:
+    """One runner per entry; backbones (and their HF copies) are shared between entries with the
+    same model config, and requests are tokenized once per model and chat setting."""
     backbones, hf_models, encoded, pipes = {}, {}, {}, []
     for e in entries:
         pcfg = compose(e, common)
@@ -149,30 +174,16 @@ def bench(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[dict, di
             runner = HFPeer(hf_models[key], bb.eos_ids, pcfg.max_new_tokens, seed=int(pcfg.seed), **knobs)
         else:
             runner, _ = build_decoder(pcfg, bb)
-        tkey = (key, bool(pcfg.chat), pcfg.get("system_prompt"))  # each request is tokenized once
+        tkey = (key, bool(pcfg.chat), pcfg.get("system_prompt"))
         if tkey not in encoded:
             encoded[tkey] = [encode(bb.tokenizer, r, bool(pcfg.chat), pcfg.get("system_prompt")) for r in reqs]
+            limit = bb.model.args.max_seq_len
+            for r, ids in zip(reqs, encoded[tkey]):
+                if len(ids) >= limit:
+                    raise UserError(f"request {r.id}: prompt is {len(ids)} tokens, the model's context is "
+                                    f"{limit}: shorten it")
         pipes.append(Pipeline(e, runner, bb, encoded[tkey]))
-    for p in pipes:  # warm-up: first-call allocations and lazy initialisation stay out of the timing
-        p.runner.generate(p.prompts[0], seed=p.runner.seed)
-    for r in range(repeats):
-        for p in pipes:
-            gens, wall = run_requests(p.runner, p.backbone.tokenizer, p.prompts)
-            p.walls.append(wall)
-            p.tokens.append(sum(len(g.token_ids) for g in gens))
-            p.gens = gens
-        print(f"round {r + 1}/{repeats}: " + ", ".join(f"{p.entry.label} {p.tokens[-1] / p.walls[-1]:.1f} tokens/s"
-                                                       for p in pipes), file=sys.stderr, flush=True)
-    base = pipes[0]
-    result = {"baseline": base.entry.label, "repeats": repeats, "requests": len(reqs),
-              "max_new_tokens": int(cfg.max_new_tokens),
-              "pipelines": {p.entry.label: pipeline_report(p, base, reqs) for p in pipes},
-              "machine": {"torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-                          "torch": torch.__version__, "python": platform.python_version(),
-                          "platform": platform.platform()},
-              "command": " ".join(["python -m pipeline.bench", *map(shlex.quote, given)])}
-    path = write_json(run_dir(cfg) / "bench.json", result)
-    return {**result, "bench_path": str(path)}, {"pipelines": pipes, "backbones": list(backbones.values())}
+    return pipes, list(backbones.values())
 
 
 def pipeline_report(p: Pipeline, base: Pipeline, reqs) -> dict:

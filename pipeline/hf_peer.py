@@ -35,30 +35,30 @@ def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
     a peer gets the layout a user loading the checkpoint would get, not our faster one."""
     a: LlamaArgs = model.args
     q_out, kv_out = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    sd = {"model.embed_tokens.weight": model.tok_embeddings.weight.detach().clone(),
-          "model.norm.weight": model.norm.weight.detach().clone()}
-    for i, blk in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        a_, m = p + "self_attn.", p + "mlp."
-        q, k, v = blk.wqkv.detach().t().split([q_out, kv_out, kv_out])  # each (out, dim)
-        sd.update({a_ + "q_proj.weight": q, a_ + "k_proj.weight": k, a_ + "v_proj.weight": v})
-        if blk.bqkv is not None:
-            bq, bk, bv = blk.bqkv.detach().split([q_out, kv_out, kv_out])
-            sd.update({a_ + "q_proj.bias": bq, a_ + "k_proj.bias": bk, a_ + "v_proj.bias": bv,
-                       # HF's attention_bias also biases o_proj; ours has none, so it is zero
-                       a_ + "o_proj.bias": torch.zeros(a.dim, dtype=blk.bqkv.dtype)})
-        sd[a_ + "o_proj.weight"] = blk.wo.detach().t()
-        gate, up = blk.w13.detach().t().split([a.hidden_dim, a.hidden_dim])  # each (hidden, dim)
-        sd.update({m + "gate_proj.weight": gate, m + "up_proj.weight": up,
-                   m + "down_proj.weight": blk.w2.detach().t()})
-        sd[p + "input_layernorm.weight"] = blk.attn_norm.weight.detach()
-        sd[p + "post_attention_layernorm.weight"] = blk.mlp_norm.weight.detach()
-    sd["lm_head.weight"] = model.lm_head.detach().t()
-    mapped = 2 + len(model.layers) * (6 + (model.layers[0].bqkv is not None)) + 1
-    if mapped != len(list(model.parameters())):  # a parameter this inverse does not know would be dropped
-        raise RuntimeError(f"to_hf_state_dict maps {mapped} of the model's {len(list(model.parameters()))} "
-                           "parameters: extend it for the new ones")
-    return {k: t.contiguous().clone() for k, t in sd.items()}
+    ours = {n: t.detach() for n, t in model.named_parameters()}
+    take = ours.pop  # every parameter must be taken once: a new one would otherwise be dropped silently
+    sd = {"model.embed_tokens.weight": take("tok_embeddings.weight"), "model.norm.weight": take("norm.weight"),
+          "lm_head.weight": take("lm_head").t()}
+    for i in range(a.n_layers):
+        o, p = f"layers.{i}.", f"model.layers.{i}."
+        at, m = p + "self_attn.", p + "mlp."
+        q, k, v = take(o + "wqkv").t().split([q_out, kv_out, kv_out])  # each (out, dim)
+        sd.update({at + "q_proj.weight": q, at + "k_proj.weight": k, at + "v_proj.weight": v,
+                   at + "o_proj.weight": take(o + "wo").t()})
+        if a.qkv_bias:
+            bq, bk, bv = take(o + "bqkv").split([q_out, kv_out, kv_out])
+            sd.update({at + "q_proj.bias": bq, at + "k_proj.bias": bk, at + "v_proj.bias": bv})
+        if a.o_bias:  # HF's attention_bias biases o_proj as well; a q/k/v-only bias model gets zeros
+            sd[at + "o_proj.bias"] = take(o + "bo")
+        elif a.qkv_bias:
+            sd[at + "o_proj.bias"] = torch.zeros(a.dim, dtype=sd[at + "q_proj.weight"].dtype)
+        gate, up = take(o + "w13").t().split([a.hidden_dim, a.hidden_dim])  # each (hidden, dim)
+        sd.update({m + "gate_proj.weight": gate, m + "up_proj.weight": up, m + "down_proj.weight": take(o + "w2").t(),
+                   p + "input_layernorm.weight": take(o + "attn_norm.weight"),
+                   p + "post_attention_layernorm.weight": take(o + "mlp_norm.weight")})
+    if ours:
+        raise RuntimeError(f"to_hf_state_dict does not know the parameters {sorted(ours)}: extend it")
+    return {k: t.clone(memory_format=torch.contiguous_format) for k, t in sd.items()}
 
 
 def hf_config(args: LlamaArgs):

@@ -28,7 +28,7 @@ def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(TORCH_THREADS))
     env.setdefault("MKL_NUM_THREADS", str(TORCH_THREADS))
-    env["HYDRA_FULL_ERROR"] = env.get("HYDRA_FULL_ERROR", "0")
+    env.pop("HYDRA_FULL_ERROR", None)  # users see the one-line errors, not Hydra's full traces
     return env
 
 

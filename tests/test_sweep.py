@@ -41,7 +41,8 @@ def fake_job(root, n, overrides, decode, tps, mal=1.0, tree_ms=None):
 def test_speedup_pairs_greedy_of_same_context_and_heatmap(tmp_path):
     n = 0
     for dtype, base in (("float32", 10.0), ("bfloat16", 20.0)):
-        fake_job(tmp_path, n, ["decode=greedy", f"model.dtype={dtype}", "tree.width=1", "tree.depth=1"], "greedy", base)
+        fake_job(tmp_path, n, ["decode=greedy", f"model.dtype={dtype}", "tree.width=1", "tree.depth=1"],
+                 "greedy", base)
         n += 1
         for w in (1, 2):
             for dep in (1, 2):

@@ -32,7 +32,8 @@ class LlamaArgs:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # HF `rope_parameters`/`rope_scaling` (linear, llama3)
     tie_embeddings: bool = True
-    qkv_bias: bool = False
+    qkv_bias: bool = False  # biases on q/k/v (transformers' attention_bias sets this and o_bias)
+    o_bias: bool = False  # bias on the attention output projection
     max_seq_len: int = 8192
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -58,6 +59,7 @@ class LlamaArgs:
             rope_theta=float(theta), rope_scaling=scaling,
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             qkv_bias=bool(getattr(cfg, "attention_bias", False)),
+            o_bias=bool(getattr(cfg, "attention_bias", False)),
             max_seq_len=getattr(cfg, "max_position_embeddings", 8192),
             bos_token_id=cfg.bos_token_id, eos_token_ids=eos,
         )
@@ -142,6 +144,7 @@ class Block(nn.Module):
         self.wqkv = nn.Parameter(torch.empty(args.dim, qkv_out))  # [in, out]
         self.bqkv = nn.Parameter(torch.zeros(qkv_out)) if args.qkv_bias else None
         self.wo = nn.Parameter(torch.empty(args.n_heads * args.head_dim, args.dim))
+        self.bo = nn.Parameter(torch.zeros(args.dim)) if args.o_bias else None
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
         self.w13 = nn.Parameter(torch.empty(args.dim, 2 * args.hidden_dim))  # gate | up
         self.w2 = nn.Parameter(torch.empty(args.hidden_dim, args.dim))
@@ -165,7 +168,8 @@ class Block(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=nkv != nq)
         else:
             y = attention(q, k, v, bias)
-        x = x + matmul(y.transpose(1, 2).reshape(B, T, nq * hs), self.wo, self.wo_t)
+        o = matmul(y.transpose(1, 2).reshape(B, T, nq * hs), self.wo, self.wo_t)
+        x = x + (o if self.bo is None else o + self.bo)
         gate, up = matmul(self.mlp_norm(x), self.w13, self.w13_t).chunk(2, dim=-1)
         return x + matmul(F.silu(gate) * up, self.w2, self.w2_t)
 

@@ -64,6 +64,8 @@ def convert_hf_state_dict(sd: dict[str, torch.Tensor], args: LlamaArgs) -> dict[
         if args.qkv_bias:
             out[p + "bqkv"] = torch.cat([sd[a + f"{n}_proj.bias"] for n in "qkv"])
         out[p + "wo"] = sd[a + "o_proj.weight"].t().contiguous()
+        if args.o_bias:
+            out[p + "bo"] = sd[a + "o_proj.bias"]
         out[p + "w13"] = torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]).t().contiguous()
         out[p + "w2"] = sd[m + "down_proj.weight"].t().contiguous()
         out[p + "attn_norm.weight"] = sd[p + "input_layernorm.weight"]
