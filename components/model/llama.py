@@ -87,10 +87,19 @@ def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
     return inv
 
 
-# Row counts at or above which `x @ W` loses to `(W^T @ x^T)^T` on MKL's small-M sgemm (measured on
-# the 2-core AVX2 CPU this project is benchmarked on: 16 rows of the 30 layers take 68 ms one way,
-# 47 ms the other, while 1-8 rows favour x @ W). Tree verification lives in this range.
-TRANSPOSED_MM_ROWS = 12
+# MKL's fp32 sgemm is poor for a few rows on this 2-core AVX2 CPU: 4-16 rows through the 30 layers
+# cost 2-2.8x one row. Computed the other way round, (W^T @ x^T)^T with the rows padded to a
+# multiple of 16 (the kernel's blocking), any 4-16 rows cost about what 16 do, ~1.8x one row, and
+# 17-32 rows little more. One row stays a plain x @ W (a memory-bound gemv). Tree verification lives
+# in this range, so both layouts of every matrix are kept (`Transformer.optimize_for_decoding`).
+TRANSPOSED_MM_ROWS = 4
+ROW_BLOCK = 16
+
+
+def pad_rows(x2: torch.Tensor) -> torch.Tensor:
+    """x2: (rows, in) -> (rows rounded up to ROW_BLOCK, in), zero rows appended."""
+    extra = -x2.shape[0] % ROW_BLOCK
+    return x2 if extra == 0 else torch.cat((x2, x2.new_zeros(extra, x2.shape[1])))
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None) -> torch.Tensor:
@@ -98,7 +107,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None) -> torch.T
     rows = x.numel() // x.shape[-1]
     if wt is None or rows < TRANSPOSED_MM_ROWS or rows > 256:
         return x @ w
-    return torch.mm(wt, x.reshape(rows, -1).t()).t().reshape(*x.shape[:-1], w.shape[1])
+    y = torch.mm(wt, pad_rows(x.reshape(rows, -1)).t())  # (out, padded rows)
+    return y[:, :rows].t().reshape(*x.shape[:-1], w.shape[1])
 
 
 class RMSNorm(nn.Module):
@@ -222,11 +232,12 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (..., dim) -> fp32 logits (..., vocab). One row reads the [in, out] copy; several
-        rows go through the [vocab, dim] embedding layout (tied models), which MKL handles better."""
+        """hidden: (..., dim) -> fp32 logits (..., vocab). One row reads the [in, out] copy; 4 or more
+        rows go through the [vocab, dim] embedding layout (tied models), padded as in `matmul`."""
         rows = hidden.numel() // hidden.shape[-1]
-        if rows > 1 and self.args.tie_embeddings:
-            return F.linear(hidden, self.tok_embeddings.weight).float()
+        if rows >= TRANSPOSED_MM_ROWS and rows <= 256 and self.args.tie_embeddings:
+            y = torch.mm(self.tok_embeddings.weight, pad_rows(hidden.reshape(rows, -1)).t())  # (vocab, padded)
+            return y[:, :rows].t().reshape(*hidden.shape[:-1], -1).float()
         return (hidden @ self.lm_head).float()
 
     def optimize_for_decoding(self):
