@@ -32,10 +32,9 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     out = run_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(int(cfg.seed), workers=True)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     backbone = component(cfg.model)
     data = component(cfg.data, backbone, num_heads=cfg.heads.num_heads)
-    data.setup("fit") if data.train_set is None else None
+    data.setup("fit")  # the draft vocabulary is chosen from the training answers' token counts
     heads = instantiate(cfg.heads)(backbone=backbone, token_counts=data.token_counts())
     module = instantiate(cfg.module, heads=heads, optimizer=instantiate(cfg.optimizer),
                          scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None)
@@ -51,7 +50,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     try:
         trainer.fit(module, datamodule=data, ckpt_path=str(last) if cfg.resume and last.is_file() else None)
         wall = time.perf_counter() - t0
-        val = trainer.validate(module, datamodule=data, verbose=False)[0] if trainer.is_global_zero or True else {}
+        val = trainer.validate(module, datamodule=data, verbose=False)[0]
     finally:
         for lg in loggers:
             if hasattr(lg, "experiment") and type(lg).__name__ == "WandbLogger":
