@@ -21,7 +21,6 @@ from pipeline.errors import one_line_errors
 
 def train(cfg: DictConfig) -> tuple[dict, dict]:
     import lightning as L
-    import torch
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
