@@ -131,3 +131,33 @@ class StaticTree:
         tokens = torch.cat((torch.tensor([root]), topk_ids[self.head, self.rank]))
         depth, mask = _structure(self.parents)
         return Tree(tokens, torch.tensor(self.parents), depth, mask)
+
+
+def dynamic_tree(root: int, topk_ids: torch.Tensor, topk_logp: torch.Tensor, width: int, max_nodes: int) -> Tree:
+    """Best-first tree: start from the root, repeatedly add the missing node with the highest
+    cumulative log-probability among the top-`width` children of the nodes already in the tree, until
+    `max_nodes` drafts. topk_ids / topk_logp: (depth, k >= width) candidates per depth, best first
+    (for Medusa heads a depth's candidates do not depend on the parent, so a path's score is the sum
+    of its nodes' log-probabilities)."""
+    import heapq
+    depth = topk_ids.shape[0]
+    ids, logp = topk_ids.tolist(), topk_logp.tolist()
+    tokens, parents, heap = [root], [-1], []
+    node_depth, node_score = [0], [0.0]
+
+    def push_children(node: int):
+        d = node_depth[node]
+        if d < depth:
+            for r in range(width):
+                heapq.heappush(heap, (-(node_score[node] + logp[d][r]), len(tokens), node, r))
+
+    push_children(0)
+    while heap and len(tokens) - 1 < max_nodes:
+        neg, _, parent, r = heapq.heappop(heap)
+        d = node_depth[parent]
+        tokens.append(ids[d][r])
+        parents.append(parent)
+        node_depth.append(d + 1)
+        node_score.append(-neg)
+        push_children(len(tokens) - 1)
+    return Tree.from_parents(tokens, parents)

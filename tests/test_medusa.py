@@ -194,3 +194,24 @@ def test_ddp_two_processes_on_cpu(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert (run / "heads.safetensors").is_file()
     assert json.loads((run / "metrics.json").read_text())["steps"] == 3
+
+
+def test_dynamic_tree_is_best_first():
+    from pipeline.tree import dynamic_tree
+    ids = torch.tensor([[10, 11], [20, 21], [30, 31]])
+    logp = torch.log(torch.tensor([[0.6, 0.3], [0.9, 0.05], [0.5, 0.4]]))
+    tree = dynamic_tree(7, ids, logp, width=2, max_nodes=4)
+    # best paths: [10] .6, [10,20] .54, [11] .3, [10,20,30] .27
+    assert tree.tokens.tolist() == [7, 10, 20, 11, 30]
+    assert tree.parents.tolist() == [-1, 0, 1, 0, 2]
+    assert tree.depth.tolist() == [0, 1, 2, 1, 3]
+
+
+def test_dynamic_medusa_tree_is_lossless(trained, tiny_backbone, tmp_path):
+    from pipeline.decode import decode
+    root, _, _ = trained
+    cfg = compose_config(["decode=tree_medusa", "model=tiny", f"proposer.checkpoint={root / 'run' / 'heads.safetensors'}",
+                          "proposer.dynamic=true", "tree.width=3", "tree.max_nodes=10", "prompt=good morning",
+                          "max_new_tokens=40", "stream=false", "verify_lossless=true"], output_dir=tmp_path)
+    metrics, _ = decode(cfg, tiny_backbone)
+    assert metrics["lossless"] and metrics["mean_tree_nodes"] == 11  # 10 drafts + the root

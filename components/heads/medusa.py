@@ -73,8 +73,9 @@ class MedusaHeads(nn.Module):
         return torch.einsum("knd,kvd->knv", f, self.proj)
 
     @torch.inference_mode()
-    def topk(self, h: torch.Tensor, k: int) -> torch.Tensor:
-        """One decode step: h (dim,) -> (K, k) backbone token ids, best first per head."""
+    def topk(self, h: torch.Tensor, k: int, with_logprobs: bool = False):
+        """One decode step: h (dim,) -> (K, k) backbone token ids, best first per head (and their
+        log-probabilities over the draft vocabulary with `with_logprobs`)."""
         f = self.features(h[None])[:, 0]  # (K, dim)
         if self.proj is None:
             if self._infer_w is None:  # [in, out] layout reads faster for a few rows
@@ -82,7 +83,10 @@ class MedusaHeads(nn.Module):
             logits = f @ self._infer_w  # (K, V')
         else:
             logits = torch.einsum("kd,kvd->kv", f, self.proj)
-        return self.vocab_ids[logits.topk(k, dim=-1).indices]
+        top = logits.topk(k, dim=-1)
+        if with_logprobs:
+            return self.vocab_ids[top.indices], top.values - logits.logsumexp(-1, keepdim=True)
+        return self.vocab_ids[top.indices]
 
     # --- checkpoints: safetensors only, never pickle -------------------------------------------
     def save(self, path: str | Path, meta: dict) -> Path:

@@ -9,7 +9,7 @@ import torch
 from components.heads.medusa import MedusaHeads
 from components.proposer.base import DecodeState, Proposer
 from pipeline.errors import UserError
-from pipeline.tree import StaticTree, Tree
+from pipeline.tree import StaticTree, Tree, dynamic_tree
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "checkpoints"
 
@@ -20,17 +20,21 @@ def shipped_checkpoint(backbone_name: str) -> Path:
 
 class MedusaProposer(Proposer):
     def __init__(self, backbone, checkpoint: str | None = None, choices=None, tree_file: str | None = "auto",
-                 width: int = 2, depth: int = 3, max_nodes: int = 16):
+                 width: int = 2, depth: int = 3, max_nodes: int = 16, dynamic: bool = False):
         """checkpoint: heads.safetensors (null = the one shipped for this backbone). The tree is
         `choices` when given, else `tree_file` ("auto" = the tree.json written beside the checkpoint
         by `python -m pipeline.tree_search`, when present), else a full width x depth tree pruned to
-        max_nodes."""
+        max_nodes. `dynamic` instead grows a fresh tree each step from the heads' log-probabilities
+        (best-first by cumulative log-probability, top-`width` children, `max_nodes` drafts)."""
         path = Path(checkpoint) if checkpoint else shipped_checkpoint(backbone.name)
         if checkpoint is None and not path.is_file():
             raise UserError(f"no Medusa heads are shipped for model {backbone.name!r}: train them with "
                             "`python -m pipeline.train` and pass proposer.checkpoint=<run dir>/heads.safetensors")
         self.heads = MedusaHeads.load(path, backbone)
         self.checkpoint_path = path
+        self.dynamic = bool(dynamic)
+        if self.dynamic:
+            choices, tree_file = None, None
         if choices is None and tree_file == "auto" and (path.parent / "tree.json").is_file():
             tree_file = str(path.parent / "tree.json")
         if choices is None and tree_file not in (None, "auto"):
@@ -45,7 +49,13 @@ class MedusaProposer(Proposer):
             raise UserError(f"tree depth {self.tree.depth} exceeds the checkpoint's {self.heads.num_heads} heads: "
                             f"use tree.depth <= {self.heads.num_heads}")
 
+        self.width, self.max_nodes = width, max_nodes
+
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> Tree | None:
+        if self.dynamic:
+            ids, logp = self.heads.topk(state.hidden.float(), self.width, with_logprobs=True)
+            return dynamic_tree(state.tokens[-1], ids[:self.tree.depth], logp[:self.tree.depth],
+                                self.width, self.max_nodes)
         topk = self.heads.topk(state.hidden.float(), self.tree.max_rank)  # (K, k): head k drafts depth k
         return self.tree.fill(state.tokens[-1], topk[:self.tree.depth])
