@@ -6,7 +6,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.cli import CONF_DIR, check_group_overrides
+from pipeline.cli import CONF_DIR, check_overrides
 from pipeline.errors import one_line_errors
 
 
@@ -23,5 +23,5 @@ def main(cfg: DictConfig) -> dict:
 
 
 if __name__ == "__main__":
-    check_group_overrides(sys.argv[1:])
+    check_overrides(sys.argv[1:], "config")
     main()

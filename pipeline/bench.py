@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from pipeline.build import build_decoder, component, model_key
-from pipeline.cli import CONF_DIR, check_group_overrides, groups
+from pipeline.cli import CONF_DIR, check_overrides, groups
 from pipeline.decode import first_divergence, run_requests, summarize
 from pipeline.errors import UserError, one_line_errors
 from pipeline.hf_peer import GENERATE_KNOBS, PEERS, HFPeer, to_hf
@@ -230,5 +230,5 @@ def main(cfg: DictConfig) -> dict:
 
 
 if __name__ == "__main__":
-    check_group_overrides(sys.argv[1:])
+    check_overrides(sys.argv[1:], "bench")
     main()

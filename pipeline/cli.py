@@ -2,8 +2,11 @@
 unknown component gets one line that lists the known ones."""
 from __future__ import annotations
 
+import difflib
 import sys
 from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
 
 from pipeline.errors import _die
 
@@ -13,6 +16,34 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 def groups() -> dict[str, list[str]]:
     return {d.name: sorted(p.stem for p in d.glob("*.yaml"))
             for d in CONF_DIR.iterdir() if d.is_dir() and d.name != "hydra"}
+
+
+def check_overrides(argv: list[str], config_name: str) -> None:
+    """Fail with one line, before Hydra runs, on an unknown component or a knob that does not exist."""
+    check_group_overrides(argv)
+    if any(a in ("-m", "--multirun") or a.startswith("-") for a in argv):
+        return  # sweeps and Hydra's own flags: left to Hydra
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+    overrides = [a for a in argv if "=" in a and not a.lstrip("+~").startswith("hydra")]
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            compose(config_name=config_name, overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        msg = str(e).split("\n")[0].rstrip(".")
+        bad = next((o.split("=", 1)[0].lstrip("+~") for o in overrides if f"'{o.split('=', 1)[0]}'" in msg), None)
+        hint = ""
+        if bad is not None:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                base = compose(config_name=config_name)
+            parent, _, leaf = bad.rpartition(".")
+            node = OmegaConf.select(base, parent) if parent else base
+            known = list(node.keys()) if isinstance(node, DictConfig) else []
+            close = difflib.get_close_matches(leaf, known, n=1)
+            hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else \
+                f"; known keys here: {', '.join(map(str, known))}" if known else ""
+        _die(f"bad override: {msg}{hint}")
 
 
 def check_group_overrides(argv: list[str]) -> None:

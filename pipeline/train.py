@@ -15,7 +15,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.cli import CONF_DIR, check_group_overrides
+from pipeline.cli import CONF_DIR, check_overrides
 from pipeline.errors import one_line_errors
 
 
@@ -77,5 +77,5 @@ def main(cfg: DictConfig) -> dict:
 
 
 if __name__ == "__main__":
-    check_group_overrides(sys.argv[1:])
+    check_overrides(sys.argv[1:], "train")
     main()

@@ -23,7 +23,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from pipeline.cli import CONF_DIR, check_group_overrides
+from pipeline.cli import CONF_DIR, check_overrides
 from pipeline.errors import UserError, one_line_errors
 
 
@@ -150,5 +150,5 @@ def main(cfg: DictConfig):
 
 
 if __name__ == "__main__":
-    check_group_overrides(sys.argv[1:])
+    check_overrides(sys.argv[1:], "tree_search")
     main()

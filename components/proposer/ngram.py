@@ -50,13 +50,16 @@ class NgramProposer(Proposer):
         for size in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], size)  # earlier n-grams
             hits = np.flatnonzero((windows == arr[-size:]).all(axis=1))
-            for start in hits[::-1]:  # most recent first
+            # longest continuation first (a match overlapping the end of the text has little to
+            # offer), then the most recent
+            for start in sorted(hits.tolist(), key=lambda s: (-min(depth, n - s - size), -s)):
                 cont = arr[start + size:start + size + depth].tolist()
                 if cont and tuple(cont[:2]) not in seen:
                     seen.add(tuple(cont[:2]))
                     found.append(cont)
                     if len(found) == self.width:
                         return found
+        return found
         return found
 
     def propose(self, state: DecodeState) -> Tree | None:
