@@ -87,12 +87,12 @@ def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
     return inv
 
 
-# MKL's fp32 sgemm is poor for a few rows on this 2-core AVX2 CPU: 4-16 rows through the 30 layers
+# MKL's fp32 sgemm is poor for a few rows on this 2-core AVX2 CPU: 3-16 rows through the 30 layers
 # cost 2-2.8x one row. Computed the other way round, (W^T @ x^T)^T with the rows padded to a
-# multiple of 16 (the kernel's blocking), any 4-16 rows cost about what 16 do, ~1.8x one row, and
+# multiple of 16 (the kernel's blocking), any 3-16 rows cost about what 16 do, ~1.8x one row, and
 # 17-32 rows little more. One row stays a plain x @ W (a memory-bound gemv). Tree verification lives
 # in this range, so both layouts of every matrix are kept (`Transformer.optimize_for_decoding`).
-TRANSPOSED_MM_ROWS = 4
+TRANSPOSED_MM_ROWS = 3
 ROW_BLOCK = 16
 
 
