@@ -24,12 +24,14 @@ class NgramProposer(Proposer):
             raise ValueError(f"`proposer.min_ngram` ({min_ngram}) must be <= `proposer.max_ngram` ({max_ngram})")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.depth, self.width, self.max_nodes = depth, width, max_nodes
+        if not isinstance(max_backoff, int) or max_backoff < 0:
+            raise ValueError(f"`proposer.max_backoff` must be an int >= 0, got {max_backoff}")
         self.max_backoff = max_backoff
         self.reset()
 
     def reset(self) -> None:
         self.skip = 0  # steps left to sit out
-        self.backoff = 1
+        self.backoff = min(1, self.max_backoff)
         self.last: Tree | None = None
         self.last_len = 0
 
@@ -41,7 +43,7 @@ class NgramProposer(Proposer):
         if committed <= 1:
             self.skip, self.backoff = self.backoff, min(2 * self.backoff, self.max_backoff)
         else:
-            self.backoff = 1
+            self.backoff = min(1, self.max_backoff)
         self.last = None
 
     def continuations(self, tokens: list[int], depth: int) -> list[list[int]]:
