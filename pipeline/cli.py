@@ -3,7 +3,6 @@ unknown component gets one line that lists the known ones."""
 from __future__ import annotations
 
 import difflib
-import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf

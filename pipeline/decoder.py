@@ -15,7 +15,6 @@ import torch
 
 from components.proposer.base import DecodeState
 from pipeline.errors import UserError
-from pipeline.tree import Tree
 
 
 @dataclass

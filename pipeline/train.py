@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf

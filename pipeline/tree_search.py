@@ -14,7 +14,6 @@ search.install=true, beside the checkpoint, where decode=tree_medusa picks it up
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from components.data.datamodule import head_targets
 from components.data.self_distill import DistillSet, generate_batch
