@@ -6,7 +6,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.cli import CONF_DIR, check_overrides
+from pipeline.cli import CONF_DIR, check_overrides, quote_free_text
 from pipeline.errors import one_line_errors
 
 
@@ -23,5 +23,6 @@ def main(cfg: DictConfig) -> dict:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = quote_free_text(sys.argv[1:])
     check_overrides(sys.argv[1:], "config")
     main()

@@ -4,12 +4,12 @@ object comes from a `_target_` in conf/. Components that need the live backbone 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.decoder import Decoder
-from pipeline.errors import UserError
+from pipeline.core import Engine, UserError
 
 
 def component(node: DictConfig | None, backbone=None, **kwargs):
@@ -23,14 +23,31 @@ def model_key(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg.model, resolve=True)
 
 
-def build_decoder(cfg: DictConfig, backbone=None) -> tuple[Decoder, object]:
-    """Returns (decoder, backbone). Pass `backbone` to reuse one already loaded (benchmarks)."""
+def positive_int(cfg: DictConfig, key: str) -> int:
+    v = OmegaConf.select(cfg, key)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise UserError(f"{key} must be a positive int, got {v!r}")
+    return v
+
+
+def check_paths(cfg: DictConfig) -> None:
+    """Files a run will read, checked before the model loads (a missing one costs nothing)."""
+    model_path = OmegaConf.select(cfg, "model.path")
+    if model_path and not Path(str(model_path)).expanduser().exists():
+        raise UserError(f"model.path {model_path} does not exist: pass a .gguf file or a Hugging Face folder")
+    for key, what in (("proposer.checkpoint", "head checkpoint"), ("proposer.tree_file", "tree file")):
+        v = OmegaConf.select(cfg, key)
+        if v not in (None, "auto") and not Path(str(v)).expanduser().is_file():
+            raise UserError(f"{what} {key}={v} does not exist: fix the path (or drop the override)")
+
+
+def build_engine(cfg: DictConfig, backbone=None) -> tuple[Engine, object]:
+    """Returns (engine, backbone). Pass `backbone` to reuse one already loaded (benchmarks)."""
+    mnt, batch = positive_int(cfg, "max_new_tokens"), positive_int(cfg, "batch_size")
+    check_paths(cfg)
     if backbone is None:
         backbone = component(cfg.model)
-    mnt = cfg.max_new_tokens
-    if not isinstance(mnt, int) or isinstance(mnt, bool) or mnt <= 0:
-        raise UserError(f"max_new_tokens must be a positive int, got {mnt}")
-    decoder = Decoder(
+    engine = Engine(
         model=backbone.model,
         kv=component(cfg.kv, backbone),
         sampler=component(cfg.sampler, backbone),
@@ -39,5 +56,6 @@ def build_decoder(cfg: DictConfig, backbone=None) -> tuple[Decoder, object]:
         proposer=component(cfg.get("proposer"), backbone),
         verifier=component(cfg.get("verifier"), backbone),
         seed=int(cfg.seed),
+        batch_size=batch,
     )
-    return decoder, backbone
+    return engine, backbone

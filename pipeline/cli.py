@@ -2,6 +2,7 @@
 unknown component gets one line that lists the known ones."""
 from __future__ import annotations
 
+import contextlib
 import difflib
 from pathlib import Path
 
@@ -15,6 +16,42 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 def groups() -> dict[str, list[str]]:
     return {d.name: sorted(p.stem for p in d.glob("*.yaml"))
             for d in CONF_DIR.iterdir() if d.is_dir() and d.name != "hydra"}
+
+
+FREE_TEXT_KEYS = ("prompt", "system_prompt")  # values users type as prose, commas and all
+
+
+def quote_free_text(argv: list[str]) -> list[str]:
+    """`prompt=Hi, who are you?` reaches us unquoted (the shell ate the quotes) and Hydra's override
+    grammar rejects it ("Ambiguous value"). Free-text values are quoted for Hydra, as typed: a
+    value already quoted for Hydra is left alone, `${` is kept literal."""
+    out = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if eq and key.lstrip("+") in FREE_TEXT_KEYS and not (len(value) >= 2 and value[0] == value[-1] and value[0] in "'\""):
+            value = value.replace("\\", "\\\\").replace("'", "\\'").replace("${", "\\${")
+            arg = f"{key}='{value}'"
+        out.append(arg)
+    return out
+
+
+@contextlib.contextmanager
+def composing():
+    """`hydra.compose` needs an initialized GlobalHydra: the running app's own (it searches the same
+    conf/) inside an entry point, or a temporary one when called from Python."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    if GlobalHydra.instance().is_initialized():
+        yield
+    else:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            yield
+
+
+def compose_config(overrides: list[str], config_name: str = "config") -> DictConfig:
+    from hydra import compose
+    with composing():
+        return compose(config_name=config_name, overrides=list(overrides))
 
 
 def check_overrides(argv: list[str], config_name: str) -> None:

@@ -1,50 +1,69 @@
-"""`decode(cfg) -> (metrics, objects)`: run every request through the configured pipeline and write
-results.json into the run directory."""
+"""`decode(cfg) -> (metrics, objects)`: run every request through the configured pipeline.
+
+Each finished request is appended to `items.jsonl` in the run directory the moment it finishes;
+`results.json` is written from those at the end (whole, by rename). Re-running in the same run
+directory skips the ids already there. Ctrl-C or SIGTERM stops cleanly: what finished is kept,
+`results.json` covers it, and the run can be resumed.
+"""
 from __future__ import annotations
 
-import dataclasses
+import copy
+import json
+import signal
 import statistics
 import sys
+import threading
 import time
+from contextlib import contextmanager
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.build import build_decoder
-from pipeline.decoder import Decoder, Generation
-from pipeline.errors import UserError
-from pipeline.io import run_dir, write_json
+from pipeline.build import build_engine, check_paths, positive_int
+from pipeline.core import Engine, Generation, UserError
+from pipeline.errors import Interrupted
+from pipeline.io import append_jsonl, run_dir, write_json
 from pipeline.requests import encode, load_requests
-from pipeline.streaming import TextStream
+from pipeline.streaming import StreamPrinter
 
 
-def depth_acceptance(gens: list[Generation]) -> dict[str, float]:
+def depth_acceptance(items: list[dict]) -> dict[str, float]:
     """Fraction of tree steps reaching depth d among steps whose tree had a draft at depth d."""
     hit, tried = {}, {}
-    for g in gens:
-        for acc, depth in zip(g.accepted_lengths[1:], g.tree_depths):
+    for it in items:
+        for acc, depth in zip(it["accepted_lengths"][1:], it["tree_depths"]):
             for d in range(1, depth + 1):
                 tried[d] = tried.get(d, 0) + 1
                 hit[d] = hit.get(d, 0) + (acc - 1 >= d)
     return {str(d): hit[d] / tried[d] for d in sorted(tried)}
 
 
-def step_latency(gens: list[Generation]) -> dict[str, float | None]:
-    tree = [ms for g in gens for ms, n in zip(g.step_ms, g.step_nodes) if n > 1]
-    plain = [ms for g in gens for ms, n in zip(g.step_ms, g.step_nodes) if n == 1]
-    nodes = [n for g in gens for n in g.step_nodes if n > 1]
+def step_latency(items: list[dict]) -> dict[str, float | None]:
+    pairs = [(ms, n) for it in items for ms, n in zip(it["step_ms"], it["step_nodes"])]
+    tree = [ms for ms, n in pairs if n > 1]
+    plain = [ms for ms, n in pairs if n == 1]
+    nodes = [n for _, n in pairs if n > 1]
     return {"tree_step_ms": statistics.mean(tree) if tree else None,
             "plain_step_ms": statistics.mean(plain) if plain else None,
             "mean_tree_nodes": statistics.mean(nodes) if nodes else None,
             "tree_steps": len(tree), "plain_steps": len(plain)}
 
 
-def summarize(gens: list[Generation], wall_s: float) -> dict:
-    new = sum(len(g.token_ids) for g in gens)
-    steps = sum(g.steps for g in gens)
-    return {"requests": len(gens), "new_tokens": new, "wall_s": round(wall_s, 4),
+def summarize(items: list[dict], wall_s: float) -> dict:
+    """items: result items (or `gen_fields` of Generations). Step latencies are per request-step:
+    with batching, one step is shared by every sequence in it."""
+    new = sum(len(it["token_ids"]) for it in items)
+    steps = sum(len(it["accepted_lengths"]) for it in items)
+    return {"requests": len(items), "new_tokens": new, "wall_s": round(wall_s, 4),
             "tokens_per_s": new / wall_s if wall_s > 0 else 0.0, "steps": steps,
             "mean_accepted_length": new / steps if steps else 0.0,
-            "acceptance_by_depth": depth_acceptance(gens), **step_latency(gens)}
+            "acceptance_by_depth": depth_acceptance(items), **step_latency(items)}
+
+
+def gen_fields(g: Generation) -> dict:
+    return {"token_ids": g.token_ids, "new_tokens": len(g.token_ids), "wall_s": round(g.wall_s, 4),
+            "steps": g.steps, "accepted_lengths": g.accepted_lengths, "finish_reason": g.finish_reason,
+            "prefill_ms": round(g.prefill_ms, 2), "mean_step_ms": statistics.mean(g.step_ms) if g.step_ms else None,
+            "step_ms": [round(ms, 3) for ms in g.step_ms], "step_nodes": g.step_nodes, "tree_depths": g.tree_depths}
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -54,69 +73,159 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def run_requests(decoder: Decoder, prompts: list[list[int]], stream=None) -> tuple[list[Generation], float]:
-    gens, t0 = [], time.perf_counter()
-    for i, ids in enumerate(prompts):
-        gens.append(decoder.generate(ids, on_tokens=stream(i) if stream else None, seed=decoder.seed + i))
+def run_requests(engine: Engine, prompts: list[list[int]], seeds: list[int] | None = None,
+                 **callbacks) -> tuple[list[Generation], float]:
+    t0 = time.perf_counter()
+    gens = engine.run(prompts, seeds, **callbacks)
     return gens, time.perf_counter() - t0
 
 
+def preset_name(cfg: DictConfig) -> str:
+    """The preset's name if the run uses the preset's components, else "custom": a run whose proposer,
+    verifier or sampler was picked by hand is never reported as a preset it is not."""
+    name = cfg.get("name") or "custom"
+    if name == "custom":
+        return name
+    from pipeline.cli import compose_config
+    ref = compose_config([f"decode={name}"])
+
+    def picks(c):
+        return [OmegaConf.select(c, f"{g}._target_") for g in ("proposer", "verifier", "sampler")] + \
+               [OmegaConf.select(c, "sampler.do_sample")]
+    return name if picks(ref) == picks(cfg) else "custom"
+
+
+def load_items(path, ids: set[str]) -> dict[str, dict]:
+    """Finished items of an earlier run in this directory (a torn last line is dropped)."""
+    done = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if item.get("id") in ids:
+                done[item["id"]] = item
+    return done
+
+
+class _Signals:
+    """SIGINT/SIGTERM become KeyboardInterrupt, but never while a finished item is being saved."""
+
+    def __init__(self):
+        self.saving, self.pending = False, False
+
+    def handler(self, signum, frame):
+        if self.saving:
+            self.pending = True
+        else:
+            raise KeyboardInterrupt
+
+    @contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    @contextmanager
+    def saving_item(self):
+        self.saving = True
+        try:
+            yield
+        finally:
+            self.saving = False
+        if self.pending:
+            raise KeyboardInterrupt
+
+
 def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
-    decoder, backbone = build_decoder(cfg, backbone)
-    tok = backbone.tokenizer
-    reqs = load_requests(cfg.get("input"), cfg.get("prompt"))
+    reqs = load_requests(cfg.get("input"), cfg.get("prompt"))  # bad input fails before the model loads
     if any(r.constraint for r in reqs):
         raise UserError("per-request constraints (json_schema/regex/grammar) are not available in this build; "
                         "remove them from the input lines")
-    prompts = [encode(tok, r, bool(cfg.chat), cfg.get("system_prompt")) for r in reqs]
-    for r, ids in zip(reqs, prompts):
-        if len(ids) >= backbone.model.args.max_seq_len:
-            raise UserError(f"request {r.id}: prompt is {len(ids)} tokens, the model's context is "
-                            f"{backbone.model.args.max_seq_len}: shorten it")
-    streams = {}
+    positive_int(cfg, "max_new_tokens")
+    positive_int(cfg, "batch_size")
+    check_paths(cfg)
+    out = run_dir(cfg)
+    items_path = out / "items.jsonl"
+    done = load_items(items_path, {r.id for r in reqs})
+    todo = [k for k, r in enumerate(reqs) if r.id not in done]
+    engine, backbone = build_engine(cfg, backbone)
+    tok, limit = backbone.tokenizer, backbone.model.args.max_seq_len
+    prompts = {k: encode(tok, reqs[k], bool(cfg.chat), cfg.get("system_prompt")) for k in todo}
+    for k, ids in prompts.items():
+        if len(ids) >= limit:
+            raise UserError(f"request {reqs[k].id}: prompt is {len(ids)} tokens, the model's context is "
+                            f"{limit}: shorten it or raise model.max_seq_len")
+    if done:
+        print(f"resuming in {out}: {len(done)} of {len(reqs)} requests already finished", file=sys.stderr)
+    if todo and cfg.get("warmup", True):  # first-call costs (allocation, MKL set-up) stay out of the timings
+        warm = copy.copy(engine)
+        warm.max_new_tokens = min(4, engine.max_new_tokens)
+        warm.run([prompts[todo[0]]])
+    printer = StreamPrinter(tok, [reqs[k].id for k in todo], show_ids=len(reqs) > 1) if cfg.stream else None
+    signals, fresh = _Signals(), {}
 
-    def stream(i):
-        if not cfg.stream:
-            return None
-        streams[i] = TextStream(tok)
-        if len(reqs) > 1:
-            print(f"\n[{reqs[i].id}] ", end="", flush=True)
-        return lambda ids: print(streams[i].push(ids), end="", flush=True)
+    def finished(j: int, g: Generation):
+        r = reqs[todo[j]]
+        item = {"id": r.id, "prompt": r.prompt, "text": tok.decode(g.token_ids, skip_special_tokens=True),
+                **gen_fields(g)}
+        with signals.saving_item():
+            append_jsonl(items_path, item)
+            fresh[r.id] = item
+            if printer is not None:
+                printer.finish(j)
+            if g.finish_reason == "context":
+                print(f"[{r.id}] stopped at the context end ({limit} tokens): shorten the prompt or raise "
+                      "model.max_seq_len", file=sys.stderr)
 
-    if cfg.get("warmup", True):  # first-call costs (allocation, MKL set-up) stay out of the timings
-        dataclasses.replace(decoder, max_new_tokens=min(4, decoder.max_new_tokens)).generate(prompts[0])
-    gens, wall = run_requests(decoder, prompts, stream if cfg.stream else None)
-    if cfg.stream:
-        print("".join(s.flush() for s in streams.values()), flush=True)
-    items = []
-    for r, g in zip(reqs, gens):
-        items.append({"id": r.id, "prompt": r.prompt, "token_ids": g.token_ids,
-                      "text": tok.decode(g.token_ids, skip_special_tokens=True),
-                      "new_tokens": len(g.token_ids), "wall_s": round(g.wall_s, 4), "steps": g.steps,
-                      "accepted_lengths": g.accepted_lengths, "finish_reason": g.finish_reason,
-                      "prefill_ms": round(g.prefill_ms, 2),
-                      "mean_step_ms": statistics.mean(g.step_ms) if g.step_ms else None})
-    summary = summarize(gens, wall)
-    if cfg.get("verify_lossless"):
-        summary.update(verify_lossless(decoder, backbone, prompts, gens, items))
-    results = {"decode": cfg.get("name", "custom"), "config": OmegaConf.to_container(cfg, resolve=True),
+    out.mkdir(parents=True, exist_ok=True)
+    interrupted, t0 = False, time.perf_counter()
+    with signals.installed():
+        try:
+            engine.run([prompts[k] for k in todo], [int(cfg.seed) + k for k in todo],
+                       on_tokens=printer.push if printer is not None else None, on_finish=finished)
+        except KeyboardInterrupt:
+            interrupted = True
+    wall = time.perf_counter() - t0
+    if printer is not None:
+        printer.close()
+    items = [done.get(r.id) or fresh[r.id] for r in reqs if r.id in done or r.id in fresh]
+    summary = summarize(list(fresh.values()), wall)  # speed of this run's requests
+    summary.update(requests=len(items), finished_now=len(fresh), resumed=len(done), interrupted=interrupted,
+                   kv=engine.kv.stats())
+    if cfg.get("verify_lossless") and not interrupted:
+        summary.update(verify_lossless(engine, backbone, cfg, reqs, items))
+    results = {"decode": preset_name(cfg), "config": OmegaConf.to_container(cfg, resolve=True),
                "summary": summary, "items": items}
-    path = write_json(run_dir(cfg) / "results.json", results)
-    return {**summary, "results_path": str(path)}, {"decoder": decoder, "backbone": backbone,
-                                                    "generations": gens, "results": results}
+    path = write_json(out / "results.json", results)
+    if interrupted:
+        raise Interrupted(f"interrupted: {len(items)} of {len(reqs)} requests finished, kept in {items_path}; "
+                          f"rerun with hydra.run.dir={out} to resume")
+    return {**summary, "results_path": str(path)}, {"engine": engine, "backbone": backbone, "results": results}
 
 
-def verify_lossless(decoder: Decoder, backbone, prompts, gens, items) -> dict:
+def verify_lossless(engine: Engine, backbone, cfg, reqs, items) -> dict:
     """Re-run every request with plain decoding (same sampler, no proposer) and report the first
-    divergence, if any."""
-    plain = dataclasses.replace(decoder, proposer=None, verifier=None)
-    ref, _ = run_requests(plain, prompts)
+    divergence, if any, on the terminal and in the items."""
+    plain = Engine(engine.model, engine.kv, engine.sampler, list(engine.eos_ids), engine.max_new_tokens,
+                   seed=engine.seed, batch_size=engine.batch_size)
+    index = {r.id: k for k, r in enumerate(reqs)}
+    prompts = [encode(backbone.tokenizer, reqs[index[it["id"]]], bool(cfg.chat), cfg.get("system_prompt")) for it in items]
+    ref, _ = run_requests(plain, prompts, [int(cfg.seed) + index[it["id"]] for it in items])
     diverged = 0
-    for item, g, r in zip(items, gens, ref):
-        d = first_divergence(g.token_ids, r.token_ids)
+    for item, r in zip(items, ref):
+        d = first_divergence(item["token_ids"], r.token_ids)
         item["lossless"] = d is None
         item["first_divergence"] = d
         diverged += d is not None
-    if diverged:
-        print(f"verify_lossless: {diverged} of {len(items)} requests diverge from plain greedy", file=sys.stderr)
+    verdict = (f"verify_lossless: all {len(items)} requests equal plain decoding" if not diverged else
+               f"verify_lossless: {diverged} of {len(items)} requests diverge from plain decoding")
+    print(verdict, file=sys.stderr)
     return {"lossless": diverged == 0, "diverged_requests": diverged}

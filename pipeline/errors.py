@@ -4,9 +4,14 @@ from __future__ import annotations
 import functools
 import sys
 
+from pipeline.core.errors import UserError
 
-class UserError(Exception):
-    """Bad input (config, files, prompts). The entry points print it on one line and exit 2."""
+__all__ = ["Interrupted", "UserError", "one_line_errors"]
+
+
+class Interrupted(UserError):
+    """Ctrl-C / SIGTERM after what finished was saved: one line, exit code 130."""
+    exit_code = 130
 
 
 def one_line_errors(fn):
@@ -16,8 +21,12 @@ def one_line_errors(fn):
     def wrapper(*a, **kw):
         try:
             return fn(*a, **kw)
+        except Interrupted as e:
+            _die(str(e), e.exit_code, prefix="")
         except UserError as e:
             _die(str(e))
+        except KeyboardInterrupt:
+            _die("interrupted before any request finished; nothing was written", 130, prefix="")
         except Exception as e:  # Hydra wraps constructor errors in InstantiationException
             root = e
             while root.__cause__ is not None or root.__context__ is not None:
@@ -30,6 +39,6 @@ def one_line_errors(fn):
     return wrapper
 
 
-def _die(msg: str):
-    print(f"error: {' '.join(msg.split())}", file=sys.stderr)
-    sys.exit(2)
+def _die(msg: str, code: int = 2, prefix: str = "error: "):
+    print(f"{prefix}{' '.join(msg.split())}", file=sys.stderr)
+    sys.exit(code)

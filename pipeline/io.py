@@ -1,19 +1,11 @@
-"""Writing run artifacts whole: a file is written beside its target, then renamed over it."""
+"""Run directories; files are written whole by `pipeline.core.io` (re-exported here)."""
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
+from pipeline.core.io import append_jsonl, atomic_write, write_json
 
-def write_json(path: str | Path, data) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False))
-    os.replace(tmp, path)
-    return path
-
+__all__ = ["append_jsonl", "atomic_write", "run_dir", "write_json"]
 
 def run_dir(cfg=None) -> Path:
     """The Hydra run directory when inside a Hydra app, else `cfg.output_dir`, else the cwd."""

@@ -20,6 +20,8 @@ from pathlib import Path
 import yaml
 from hydra.experimental.callback import Callback
 
+from pipeline.core.io import atomic_write
+
 METRICS = ("tokens_per_s", "speedup", "mean_accepted_length", "tree_step_ms", "plain_step_ms")
 # overrides that do not change what plain greedy decoding computes: a greedy job that agrees with
 # a job on every other override is its baseline
@@ -130,19 +132,12 @@ def plot(table: list[dict], path: Path) -> None:
             ax.bar(range(len(rows_)), [r[m] or 0.0 for r in rows_])
             ax.set_xticks(range(len(rows_)), labels, rotation=30, ha="right", fontsize=8)
             ax.set(title=title)
-    _replace(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
 
 
 def _cell(rows_: list[dict], w, d, m):
     vals = [r[m] for r in rows_ if r.get("tree.width") == w and r.get("tree.depth") == d and r[m] is not None]
     return statistics.mean(vals) if vals else None
-
-
-def _replace(path: Path, write) -> None:
-    """Write beside `path`, then rename over it: a failed run never leaves half a file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def write_summary(sweep_dir: str | Path) -> list[Path]:
@@ -153,8 +148,8 @@ def write_summary(sweep_dir: str | Path) -> list[Path]:
         return []
     columns, table = rows(jobs)
     out = [sweep_dir / "summary.csv", sweep_dir / "summary.md", sweep_dir / "summary.png"]
-    _replace(out[0], lambda tmp: tmp.write_text(to_csv(columns, table)))
-    _replace(out[1], lambda tmp: tmp.write_text(to_markdown(columns, table)))
+    atomic_write(out[0], to_csv(columns, table))
+    atomic_write(out[1], to_markdown(columns, table))
     plot(table, out[2])
     print(f"sweep summary: {len(table)} jobs -> {out[0]}, {out[1].name}, {out[2].name}", file=sys.stderr)
     return out

@@ -23,6 +23,7 @@ import torch
 from omegaconf import DictConfig
 
 from pipeline.cli import CONF_DIR, check_overrides
+from pipeline.core import forward_rows
 from pipeline.errors import UserError, one_line_errors
 
 
@@ -61,26 +62,27 @@ def grow_tree(ranks: torch.Tensor, max_nodes: int, max_rank: int) -> list[tuple[
 
 
 @torch.inference_mode()
-def tree_latency(backbone, sizes: list[int], prefix: int = 256, repeats: int = 5) -> dict[int, float]:
+def tree_latency(backbone, kv, sizes: list[int], prefix: int = 256, repeats: int = 5) -> dict[int, float]:
     """Median ms of one target forward (plus LM head) over n nodes after a `prefix`-token cache."""
-    from components.kv.contiguous import ContiguousKV
     model = backbone.model
-    kv = ContiguousKV(backbone, prefix + max(sizes) + 8)
-    kv.allocate(1, prefix + max(sizes) + 8)
-    model(torch.randint(0, 1000, (1, prefix)), torch.arange(prefix)[None], kv)
-    kv.commit()
+    seq = kv.create()
+    forward_rows(model, kv, seq, torch.randint(0, 1000, (prefix,)))
+    kv.commit(seq)
     out = {}
     for n in sizes:
-        tokens = torch.randint(0, 1000, (1, n))
-        mask = torch.ones(1, 1, n, prefix + n, dtype=torch.bool) if n > 1 else None
+        tokens = torch.randint(0, 1000, (n,))
+        depth, mask = torch.zeros(n, dtype=torch.long), torch.eye(n, dtype=torch.bool)  # n siblings
+        mask[:, 0] = True
+        depth[1:] = 1
         times = []
         for i in range(repeats + 1):
             t = time.perf_counter()
-            h = model(tokens, torch.full((1, n), prefix), kv, mask)
+            h = forward_rows(model, kv, seq, tokens, depth, mask if n > 1 else None)
             model.logits(h).argmax(-1).tolist()
-            kv.discard()
+            kv.discard(seq)
             times.append((time.perf_counter() - t) * 1e3)
         out[n] = sorted(times[1:])[len(times[1:]) // 2]
+    kv.free(seq)
     return out
 
 
@@ -113,7 +115,7 @@ def search(cfg: DictConfig) -> tuple[dict, dict]:
     ranks = rank_matrix(heads, val.hidden, head_targets(val, heads.num_heads), s.max_rank)
     order = grow_tree(ranks, s.max_nodes, s.max_rank)
     sizes = sorted({1, *[n + 1 for n in s.latency_nodes if n + 1 <= s.max_nodes + 1], s.max_nodes + 1})
-    lat = tree_latency(backbone, sizes, s.prefix, s.repeats)
+    lat = tree_latency(backbone, component(cfg.kv, backbone), sizes, s.prefix, s.repeats)
     t = time.perf_counter()
     for _ in range(20):
         heads.topk(val.hidden[0].float(), s.max_rank)

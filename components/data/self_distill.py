@@ -1,8 +1,9 @@
 """Self-distillation data (group `data`): the backbone's own greedy answers to the project's prompt
 set, with the backbone's last hidden state at every response position.
 
-The hidden states come for free: batched greedy decoding computes, at each step, the hidden state
-of the token it just fed, which is exactly what a Medusa head reads. A sample is
+The hidden states come for free: the core engine decodes the prompt set in batches (continuous
+batching) and reports, with every committed token, the target hidden state that chose it, which is
+exactly what a Medusa head reads. A sample is
   tokens[i]  = y_{i+1}, the i-th response token (i = 0..n-1),
   hidden[i]  = h after consuming the prompt (i = 0) or y_i (i >= 1), the state that predicts y_{i+1}.
 The set is stored with the config that made it and reused when that config matches.
@@ -12,7 +13,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +21,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from components.data.prompts import training_prompts
-from components.kv.contiguous import ContiguousKV
-from pipeline.requests import Request, encode
+from pipeline.core import Engine, atomic_write, encode_chat
 
 
 @dataclass
@@ -49,41 +48,17 @@ class DistillSet:
         return DistillSet(self.tokens[sel], self.hidden[sel], torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0))))
 
 
-@torch.inference_mode()
-def generate_batch(backbone, prompts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
-    """Greedy answers of a batch of prompts (left-padded), with the hidden state before each token."""
-    model = backbone.model
-    eos = set(backbone.eos_ids)
-    B, P = len(prompts), max(len(p) for p in prompts)
-    pad = backbone.tokenizer.pad_token_id or 0
-    ids = torch.tensor([[pad] * (P - len(p)) + p for p in prompts])
-    valid = torch.tensor([[False] * (P - len(p)) + [True] * len(p) for p in prompts])  # (B, P) real tokens
-    kv = ContiguousKV(backbone, P + max_new_tokens)
-    kv.allocate(B, P + max_new_tokens)
-    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-    keymask = valid.clone()  # (B, S) which cached slots hold real tokens
-    mask = (torch.ones(P, P, dtype=torch.bool).tril() & keymask[:, None, :])[:, None]  # (B, 1, P, P)
-    mask |= torch.eye(P, dtype=torch.bool)  # padding rows attend to themselves (keeps softmax finite)
-    h = model(ids, positions, kv, mask)[:, -1]  # (B, dim)
-    kv.commit()
-    out_tok: list[list[int]] = [[] for _ in range(B)]
-    out_h: list[list[torch.Tensor]] = [[] for _ in range(B)]
-    alive = [True] * B
-    pos = positions[:, -1:] + 1
-    for _ in range(max_new_tokens):
-        nxt = model.logits(h).argmax(-1)  # (B,)
-        for b in range(B):
-            if alive[b]:
-                out_tok[b].append(int(nxt[b]))
-                out_h[b].append(h[b].to(torch.bfloat16))
-                alive[b] = int(nxt[b]) not in eos
-        if not any(alive):
-            break
-        keymask = torch.cat((keymask, torch.ones(B, 1, dtype=torch.bool)), dim=1)
-        h = model(nxt[:, None], pos, kv, keymask[:, None, None, :])[:, -1]
-        kv.commit()
-        pos = pos + 1
-    return [(t, torch.stack(hs)) for t, hs in zip(out_tok, out_h)]
+def generate_batch(backbone, prompts: list[list[int]], max_new_tokens: int,
+                   batch_size: int | None = None, kv=None) -> list[tuple[list[int], torch.Tensor]]:
+    """Greedy answers of the prompts with the hidden state before each token, decoded by the core
+    engine `batch_size` at a time (default: all together) with continuous batching."""
+    from components.kv.paged import PagedKV
+    from components.sampler.logits import Sampler
+    engine = Engine(backbone.model, kv or PagedKV(backbone), Sampler(do_sample=False), backbone.eos_ids,
+                    max_new_tokens, batch_size=batch_size or len(prompts))
+    hidden: list[list[torch.Tensor]] = [[] for _ in prompts]
+    gens = engine.run(prompts, on_tokens=lambda i, ids, h: hidden[i].append(h.to(torch.bfloat16)))
+    return [(g.token_ids, torch.cat(hs)) for g, hs in zip(gens, hidden)]
 
 
 def data_dir(root: str | Path, config: dict) -> Path:
@@ -119,20 +94,18 @@ def _generate(backbone, out: Path, final: Path, config: dict, batch_size: int, s
     (out / "config.json").write_text(json.dumps(config, indent=2))
     prompts = training_prompts(max_samples, seed=prompt_seed)
     tok = backbone.tokenizer
-    encoded = [encode(tok, Request(str(i), p), chat) for i, p in enumerate(prompts)]
+    encoded = [encode_chat(tok, None, p, chat) for p in prompts]
     parts = sorted(out.glob("part-*.safetensors"))
     done = sum(int(load_file(p)["offsets"].numel() - 1) for p in parts)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths pad less
     bar = tqdm(total=len(encoded), initial=done, desc="self-distill", unit="answer")
-    pending: list[tuple[list[int], torch.Tensor]] = []
-    for start in range(done, len(order), batch_size):
-        batch = [encoded[i] for i in order[start:start + batch_size]]
-        pending += generate_batch(backbone, batch, max_new_tokens)
+    chunk = save_every * batch_size  # prompts per saved part, decoded batch_size at a time
+    for start in range(done, len(order), chunk):
+        batch = [encoded[i] for i in order[start:start + chunk]]
+        samples = generate_batch(backbone, batch, max_new_tokens, batch_size)
+        _save(out / f"part-{start:06d}.safetensors", samples)
         bar.update(len(batch))
-        bar.set_postfix(tokens=sum(len(t) for t, _ in pending))
-        if len(pending) >= save_every * batch_size or start + batch_size >= len(order):
-            _save(out / f"part-{start:06d}.safetensors", pending)
-            pending = []
+        bar.set_postfix(tokens=sum(len(t) for t, _ in samples))
     bar.close()
     parts = sorted(out.glob("part-*.safetensors"))
     merged = _merge([_load(p) for p in parts])
@@ -155,9 +128,8 @@ def _merge(sets: list[DistillSet]) -> DistillSet:
 
 
 def _write(path: Path, ds: DistillSet) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    save_file({"tokens": ds.tokens, "hidden": ds.hidden.contiguous(), "offsets": ds.offsets}, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: save_file({"tokens": ds.tokens, "hidden": ds.hidden.contiguous(),
+                                              "offsets": ds.offsets}, tmp))
 
 
 def _save(path: Path, samples) -> None:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pipeline.errors import UserError
+from pipeline.core import UserError, atomic_write
 
 FORMAT = "llm-decode-medusa-v1"
 
@@ -94,10 +94,7 @@ class MedusaHeads(nn.Module):
         tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items() if k != "shared_weight"}
         info = {"format": FORMAT, "dim": self.dim, "num_heads": self.num_heads, "num_layers": self.num_layers,
                 "lm_head": self.lm_head_mode, **meta}
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, tmp, metadata={"medusa": json.dumps(info)})
-        tmp.replace(path)
-        return path
+        return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"medusa": json.dumps(info)}))
 
     @classmethod
     def load(cls, path: str | Path, backbone) -> "MedusaHeads":
@@ -107,9 +104,13 @@ class MedusaHeads(nn.Module):
                             "or pass proposer.checkpoint=<heads.safetensors>")
         if path.suffix != ".safetensors":
             raise UserError(f"head checkpoint {path} must be a .safetensors file (pickled checkpoints are refused)")
-        with safe_open(str(path), "pt") as f:
-            info = json.loads((f.metadata() or {}).get("medusa", "{}"))
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        try:
+            with safe_open(str(path), "pt") as f:
+                info = json.loads((f.metadata() or {}).get("medusa", "{}"))
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:  # safetensors raises its own error types on a damaged file
+            raise UserError(f"head checkpoint {path} is not a readable safetensors file ({e}): "
+                            "re-export or retrain it") from None
         if info.get("format") != FORMAT:
             raise UserError(f"{path} is not a Medusa head checkpoint of this project (format {info.get('format')!r})")
         args = backbone.model.args
@@ -120,10 +121,16 @@ class MedusaHeads(nn.Module):
         if info.get("fingerprint") not in (None, backbone.model.fingerprint()):
             raise UserError(f"head checkpoint {path} was trained on another backbone "
                             f"({info.get('fingerprint')} != {backbone.model.fingerprint()}): retrain for this model")
+        if "vocab_ids" not in tensors:
+            raise UserError(f"head checkpoint {path} has no vocab_ids tensor: re-export or retrain it")
         vocab_ids = tensors["vocab_ids"]
         heads = cls(info["dim"], info["num_heads"], info["num_layers"], info["lm_head"], vocab_ids,
                     draft_lm_weight(backbone, vocab_ids))
-        heads.load_state_dict(tensors, strict=False)
+        missing, unexpected = heads.load_state_dict(tensors, strict=False)
+        missing = [k for k in missing if k != "shared_weight"]  # the backbone's own head, not stored
+        if missing or unexpected:
+            raise UserError(f"head checkpoint {path} does not match its own header: missing tensors "
+                            f"{missing or 'none'}, unexpected {unexpected or 'none'}; re-export or retrain it")
         heads.info = info
         return heads.eval().requires_grad_(False)
 

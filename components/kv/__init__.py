@@ -1,3 +1,0 @@
-from components.kv.base import KVManager
-
-__all__ = ["KVManager"]

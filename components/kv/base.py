@@ -1,71 +1,76 @@
-"""The KV manager interface every decoder uses.
-
-A sequence's cache has `length` committed slots followed by `pending` tentative ones. A forward
-of T tokens writes its keys/values into the next T tentative slots (`update`, called per layer, then
-`advance(T)` once). The decoder then decides what those slots become:
-
-- `commit()` keeps all of them (plain decoding);
-- `commit(keep)` gathers the chosen tentative slots, in order, into contiguous positions right after
-  the committed prefix and releases every other one (tree verification);
-- `discard()` releases all tentative slots (a draft pass whose keys the verifier recomputes);
-- `truncate(n)` rolls the committed prefix back to n slots.
-
-`fork()` gives an independent copy of the sequence (beam search), `free()` gives its memory back.
-"""
+"""Shared bookkeeping of the KV managers: sequence ids, lengths, shapes from the backbone. The
+interface itself is `pipeline.core.KVManager`."""
 from __future__ import annotations
-
-from abc import ABC, abstractmethod
 
 import torch
 
+from pipeline.core import KVManager
 
-class KVManager(ABC):
-    length: int  # committed slots
-    pending: int  # tentative slots after them
 
-    @property
-    def used(self) -> int:
-        return self.length + self.pending
+class SequencePool(KVManager):
+    def __init__(self, backbone=None, n_layers: int | None = None, n_kv_heads: int | None = None,
+                 head_dim: int | None = None, dtype: torch.dtype | None = None):
+        """Shapes come from `backbone` (its model args and dtype) unless given one by one."""
+        if backbone is not None:
+            a = backbone.model.args
+            n_layers, n_kv_heads, head_dim, dtype = a.n_layers, a.n_kv_heads, a.head_dim, backbone.model.dtype
+        self.n_layers, self.n_kv, self.hs = n_layers, n_kv_heads, head_dim
+        self.dtype = dtype or torch.float32
+        self.slot_bytes = 2 * n_layers * n_kv_heads * head_dim * self.dtype.itemsize  # one token, all layers, K and V
+        self._len: dict[int, int] = {}
+        self._pend: dict[int, int] = {}
+        self._next = 0
+        self.peak_bytes = 0
 
-    @abstractmethod
-    def allocate(self, batch: int, max_len: int) -> None:
-        """Start a new (batch of) sequence(s) able to hold `max_len` slots; the cache is empty."""
+    def _new_id(self) -> int:
+        seq, self._next = self._next, self._next + 1
+        self._len[seq], self._pend[seq] = 0, 0
+        return seq
 
-    @abstractmethod
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: (B, nkv, T, hs) for the T new tokens of this forward. Writes them after the used slots
-        and returns all keys/values to attend to: (B, nkv, used + T, hs)."""
+    def _check(self, seq: int) -> None:
+        if seq not in self._len:
+            raise KeyError(f"sequence {seq} is not live in this KV pool")
 
-    @abstractmethod
-    def advance(self, n: int) -> None:
-        """Called once after a forward: its n written slots become tentative."""
+    def _drop(self, seq: int) -> None:
+        self._check(seq)
+        del self._len[seq], self._pend[seq]
 
-    @abstractmethod
-    def commit(self, keep: list[int] | torch.Tensor | None = None) -> None:
-        """Keep the tentative slots `keep` (indices relative to the first tentative slot, ascending) or
-        all of them (None); release the rest."""
+    def length(self, seq: int) -> int:
+        return self._len[seq]
 
-    @abstractmethod
-    def discard(self) -> None:
-        """Release every tentative slot."""
-
-    @abstractmethod
-    def truncate(self, n: int) -> None:
-        """Roll the committed prefix back to its first n slots (drops tentative slots too)."""
-
-    @abstractmethod
-    def fork(self) -> "KVManager":
-        """An independent copy of this sequence's cache."""
-
-    @abstractmethod
-    def free(self) -> None:
-        """Release the sequence's memory."""
-
-    @abstractmethod
-    def keys_values(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The committed keys/values of one layer: (B, nkv, length, hs). For tests and inspection."""
+    def pending(self, seq: int) -> int:
+        return self._pend[seq]
 
     @property
-    @abstractmethod
-    def slots_in_use(self) -> int:
-        """Slots holding data that some sequence still owns (leak checks): committed + tentative."""
+    def sequences(self) -> list[int]:
+        return list(self._len)
+
+    def end_step(self, step) -> None:
+        for seq, n in zip(step.seqs, step.counts):
+            self._pend[seq] += n
+
+    def _kept(self, seq: int, keep) -> torch.Tensor | None:
+        """Validate `keep`; None when the kept slots are already in place (a prefix of the tentative ones)."""
+        idx = torch.as_tensor(keep, dtype=torch.long).reshape(-1)
+        n, p = idx.numel(), self._pend[seq]
+        if n and (int(idx.min()) < 0 or int(idx.max()) >= p or not bool((idx[1:] > idx[:-1]).all())):
+            raise ValueError(f"keep must be ascending tentative slot indices in [0, {p}), got {idx.tolist()}")
+        return None if bool((idx == torch.arange(n)).all()) else idx
+
+    def truncate(self, seq: int, n: int) -> None:
+        self._check(seq)
+        if not 0 <= n <= self._len[seq]:
+            raise ValueError(f"cannot truncate a sequence of {self._len[seq]} slots to {n}")
+        self._len[seq], self._pend[seq] = n, 0
+        self._release_tail(seq)
+
+    def discard(self, seq: int) -> None:
+        self._check(seq)
+        self._pend[seq] = 0
+        self._release_tail(seq)
+
+    def _release_tail(self, seq: int) -> None:
+        """Memory past the sequence's used slots may go back (paged pools)."""
+
+    def _note_peak(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.stats()["bytes_in_use"])

@@ -1,83 +1,118 @@
-"""Contiguous KV cache: one preallocated (B, nkv, S_max, hs) buffer pair per layer, updated in place."""
+"""Contiguous KV: one preallocated slab per sequence, all in one buffer, updated in place.
+
+buf: (n_layers, 2, slots, nkv, capacity, hs). A sequence owns one slot (a row of the buffer) for its
+whole life; a step over sequences in consecutive slots attends to a view of the buffer, with no copy.
+Slots are handed out lowest first, so a full batch occupies slots 0..B-1. The buffer grows (a copy)
+when more sequences or more slots per sequence are needed.
+"""
 from __future__ import annotations
 
 import torch
 
-from components.kv.base import KVManager
+from components.kv.base import SequencePool
 
 
-class ContiguousKV(KVManager):
+class ContiguousKV(SequencePool):
     def __init__(self, backbone=None, max_len: int = 2048, n_layers: int | None = None,
                  n_kv_heads: int | None = None, head_dim: int | None = None, dtype: torch.dtype | None = None):
-        """Shapes come from `backbone` (its model args and dtype) unless given one by one."""
-        if backbone is not None:
-            a = backbone.model.args
-            n_layers, n_kv_heads, head_dim = a.n_layers, a.n_kv_heads, a.head_dim
-            dtype = backbone.model.dtype
+        """max_len: slots per sequence allocated up front (grown when a sequence needs more)."""
         if not isinstance(max_len, int) or max_len <= 0:
-            raise ValueError(f"`max_len` must be a positive int, got {max_len}")
-        self.n_layers, self.n_kv, self.hs = n_layers, n_kv_heads, head_dim
-        self.dtype = dtype or torch.float32
-        self.capacity, self.batch = 0, 0
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        self.length = self.pending = 0
-        self.default_len = max_len
+            raise ValueError(f"`kv.max_len` must be a positive int, got {max_len}")
+        super().__init__(backbone, n_layers, n_kv_heads, head_dim, dtype)
+        self.capacity = max_len
+        self.buf = torch.zeros(self.n_layers, 2, 0, self.n_kv, max_len, self.hs, dtype=self.dtype)
+        self._slot: dict[int, int] = {}
+        self._free: list[int] = []  # free slots, ascending
+        self._plan = None
 
-    def allocate(self, batch: int = 1, max_len: int | None = None) -> None:
-        need = max(max_len or 0, self.default_len)
-        if batch != self.batch or need > self.capacity:  # buffers are reused across requests
-            shape = (batch, self.n_kv, need, self.hs)
-            self.k = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.n_layers)]
-            self.v = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.n_layers)]
-            self.capacity, self.batch = need, batch
-        self.length = self.pending = 0
+    # --- sequences -------------------------------------------------------------------------------
+    def _grow(self, slots: int, capacity: int) -> None:
+        old = self.buf
+        self.buf = torch.zeros(self.n_layers, 2, slots, self.n_kv, capacity, self.hs, dtype=self.dtype)
+        self.buf[:, :, :old.shape[2], :, :old.shape[4]] = old
+        self._free = sorted(self._free + list(range(old.shape[2], slots)))
+        self.capacity = capacity
 
-    def update(self, layer, k, v):
-        s, t = self.used, k.shape[2]
-        if s + t > self.capacity:
-            raise RuntimeError(f"KV cache full: {s} + {t} slots > capacity {self.capacity}")
-        self.k[layer][:, :, s:s + t] = k
-        self.v[layer][:, :, s:s + t] = v
-        return self.k[layer][:, :, :s + t], self.v[layer][:, :, :s + t]
+    def create(self) -> int:
+        if not self._free:
+            self._grow(max(1, 2 * self.buf.shape[2]), self.capacity)
+        seq = self._new_id()
+        self._slot[seq] = self._free.pop(0)
+        self._note_peak()
+        return seq
 
-    def advance(self, n):
-        self.pending += n
+    def fork(self, seq: int) -> int:
+        self._check(seq)
+        new = self.create()
+        n = self._len[seq]
+        self.buf[:, :, self._slot[new], :, :n] = self.buf[:, :, self._slot[seq], :, :n]
+        self._len[new] = n
+        return new
 
-    def commit(self, keep=None):
+    def free(self, seq: int) -> None:
+        self._drop(seq)
+        self._free = sorted(self._free + [self._slot.pop(seq)])
+
+    def batch_order(self, seqs):
+        return sorted(seqs, key=self._slot.__getitem__)
+
+    # --- a step ----------------------------------------------------------------------------------
+    def begin_step(self, step) -> None:
+        need = step.span
+        if need > self.capacity:
+            self._grow(self.buf.shape[2], max(need, 2 * self.capacity))
+            self._note_peak()
+        slots = [self._slot[s] for s in step.seqs]
+        if len(slots) == 1:
+            self._plan = (slots[0], None, None, None)
+            return
+        counts = step.counts
+        wslot = torch.tensor(slots).repeat_interleave(torch.tensor(counts))  # (R,)
+        wpos = torch.cat([s + torch.arange(n) for s, n in zip(step.starts, counts)])  # (R,)
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        self._plan = (None, wslot, wpos, None if consecutive else torch.tensor(slots))
+
+    def update(self, layer, k, v, step):
+        kb, vb = self.buf[layer, 0], self.buf[layer, 1]  # (slots, nkv, capacity, hs)
+        one, wslot, wpos, gather = self._plan
+        S = step.span
+        if one is not None:
+            s0, R = step.starts[0], k.shape[0]
+            kb[one, :, s0:s0 + R] = k.transpose(0, 1)
+            vb[one, :, s0:s0 + R] = v.transpose(0, 1)
+            return kb[one:one + 1, :, :S], vb[one:one + 1, :, :S]  # (1, nkv, S, hs) views
+        kb[wslot, :, wpos] = k  # (R, nkv, hs) scattered to (slot, position)
+        vb[wslot, :, wpos] = v
+        if gather is None:
+            a = self._slot[step.seqs[0]]
+            return kb[a:a + len(step.seqs), :, :S], vb[a:a + len(step.seqs), :, :S]
+        return kb[gather, :, :S], vb[gather, :, :S]  # (B, nkv, S, hs) copies
+
+    def end_step(self, step) -> None:
+        super().end_step(step)
+        self._plan = None
+
+    def commit(self, seq, keep=None) -> None:
+        self._check(seq)
+        L = self._len[seq]
         if keep is None:
-            self.length += self.pending
+            self._len[seq] += self._pend[seq]
         else:
-            idx = torch.as_tensor(keep, dtype=torch.long) + self.length
-            n = idx.numel()
-            if n and not bool((idx == torch.arange(self.length, self.length + n)).all()):
-                for buf in (*self.k, *self.v):  # gather: index_select copies, so overlap is safe
-                    buf[:, :, self.length:self.length + n] = buf.index_select(2, idx)
-            self.length += n
-        self.pending = 0
+            idx = self._kept(seq, keep)
+            n = len(keep)
+            if idx is not None:
+                row = self.buf[:, :, self._slot[seq]]  # (n_layers, 2, nkv, capacity, hs)
+                row[:, :, :, L:L + n] = row.index_select(3, idx + L)  # index_select copies: overlap is safe
+            self._len[seq] = L + n
+        self._pend[seq] = 0
 
-    def discard(self):
-        self.pending = 0
+    def gather(self, seq, layer):
+        n, s = self._len[seq], self._slot[seq]
+        return self.buf[layer, 0, s, :, :n].clone(), self.buf[layer, 1, s, :, :n].clone()
 
-    def truncate(self, n):
-        if not 0 <= n <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} slots to {n}")
-        self.length, self.pending = n, 0
-
-    def fork(self):
-        other = ContiguousKV(None, self.default_len, self.n_layers, self.n_kv, self.hs, self.dtype)
-        other.k = [b.clone() for b in self.k]
-        other.v = [b.clone() for b in self.v]
-        other.capacity, other.batch, other.length = self.capacity, self.batch, self.length
-        return other
-
-    def free(self):
-        self.k, self.v = [], []
-        self.capacity = self.batch = self.length = self.pending = 0
-
-    def keys_values(self, layer):
-        return self.k[layer][:, :, :self.length], self.v[layer][:, :, :self.length]
-
-    @property
-    def slots_in_use(self):
-        return self.used * self.batch
+    def stats(self) -> dict:
+        live = len(self._slot)
+        return {"sequences": live, "tokens": sum(self._len.values()),
+                "bytes_in_use": live * self.capacity * self.slot_bytes,
+                "bytes_allocated": self.buf.numel() * self.dtype.itemsize, "peak_bytes": self.peak_bytes,
+                "capacity": self.capacity}

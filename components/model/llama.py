@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pipeline.core import StepBatch
+
 
 @dataclass
 class LlamaArgs:
@@ -160,25 +162,18 @@ class Block(nn.Module):
         self.w2 = nn.Parameter(torch.empty(args.hidden_dim, args.dim))
         self.make_transposed(False)
 
-    def forward(self, x, cos, sin, kv, bias, causal):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+        """x: (B, T, dim); attend(layer, q, k, v) -> (B, T, nh * hs), with q: (B, T, nh, hs) and
+        k, v: (B, T, nkv, hs) after RoPE: the cache-free or the cached attention of the caller."""
         B, T, _ = x.shape
         nq, nkv, hs = self.n_heads, self.n_kv, self.hs
         qkv = matmul(self.attn_norm(x), self.wqkv, self.wqkv_t)  # (B, T, (nh + 2 nkv) hs)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
         qk = apply_rope(qkv[..., :(nq + nkv) * hs].view(B, T, nq + nkv, hs), cos, sin)  # (B, T, nh + nkv, hs)
-        q = qk[:, :, :nq].transpose(1, 2)  # (B, nh, T, hs)
-        k = qk[:, :, nq:].transpose(1, 2)  # (B, nkv, T, hs)
-        v = qkv[..., (nq + nkv) * hs:].view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
-        if kv is not None:
-            k, v = kv.update(self.layer_id, k, v)  # (B, nkv, S, hs): cached + these T
-        if causal:  # long prompt blocks: the fused kernel wins
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nq)
-        elif T > 64:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=nkv != nq)
-        else:
-            y = attention(q, k, v, bias)
-        o = matmul(y.transpose(1, 2).reshape(B, T, nq * hs), self.wo, self.wo_t)
+        v = qkv[..., (nq + nkv) * hs:].view(B, T, nkv, hs)
+        y = attend(self.layer_id, qk[:, :, :nq], qk[:, :, nq:], v)  # (B, T, nh hs)
+        o = matmul(y, self.wo, self.wo_t)
         x = x + (o if self.bo is None else o + self.bo)
         gate, up = matmul(self.mlp_norm(x), self.w13, self.w13_t).chunk(2, dim=-1)
         return x + matmul(F.silu(gate) * up, self.w2, self.w2_t)
@@ -210,26 +205,57 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv=None,
-                mask: torch.Tensor | None = None, layers: list[int] | None = None) -> torch.Tensor:
-        """tokens, positions: (B, T) long. mask: bool (B or 1, 1, T, S) over the S = cached + T keys,
-        True = may attend. Without a mask a block of T new tokens attends causally among itself and
-        to everything cached (so a plain step and a prompt on an empty cache need none).
-        `layers` runs a subset of the blocks (layer-skipping drafts). Returns hidden (B, T, dim),
-        after the final norm."""
-        B, T = tokens.shape
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None,
+                layers: list[int] | None = None) -> torch.Tensor:
+        """Cache-free forward (references, tests). tokens, positions: (B, T) long; mask: bool
+        (B or 1, 1, T, T), True = may attend (None = causal). Returns hidden (B, T, dim) after the
+        final norm."""
         x = self.tok_embeddings(tokens)  # (B, T, dim)
         cos, sin = self.rope(positions, x.dtype)
-        cached = kv.used if kv is not None else 0
-        causal = mask is None and T > 1 and cached == 0
-        if mask is None and T > 1 and cached > 0:  # a causal block after a cache: spell the mask out
-            mask = torch.ones(T, cached + T, dtype=torch.bool).tril_(cached)[None, None]
-        bias = None if mask is None else torch.zeros(mask.shape, dtype=x.dtype).masked_fill_(~mask, float("-inf"))
+
+        def attend(layer, q, k, v):  # (B, T, h, hs) each
+            B, T = q.shape[:2]
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=mask, is_causal=mask is None and T > 1,
+                                               enable_gqa=self.args.n_kv_heads != self.args.n_heads)
+            return y.transpose(1, 2).reshape(B, T, -1)
+
         for i in (range(len(self.layers)) if layers is None else layers):
-            x = self.layers[i](x, cos, sin, kv, bias, causal)
-        if kv is not None:
-            kv.advance(T)  # the T new slots are tentative until committed
+            x = self.layers[i](x, cos, sin, attend)
         return self.norm(x)
+
+    def step(self, batch: StepBatch, kv, layers: list[int] | None = None) -> torch.Tensor:
+        """One forward over the packed rows of several sequences (`pipeline.core.StepBatch`), through
+        their caches in `kv`: each row sees its own sequence's cached slots and, among the step's
+        rows, what its tree mask allows. `layers` runs a subset of the blocks (layer-skipping
+        drafts). Returns hidden (R, dim) after the final norm; the rows become tentative slots."""
+        x = self.tok_embeddings(batch.tokens)[None]  # (1, R, dim): every row of every sequence
+        cos, sin = self.rope(batch.positions[None], x.dtype)
+        B, T, R = len(batch.seqs), batch.width, batch.rows
+        gqa = self.args.n_kv_heads != self.args.n_heads
+
+        def attend(layer, q, k, v):  # q: (1, R, nh, hs); k, v: (1, R, nkv, hs)
+            K, V = kv.update(layer, k[0], v[0], batch)  # (B, nkv, S, hs): cached + these rows
+            if B == 1:
+                qb = q.transpose(1, 2)  # (1, nh, R, hs)
+            else:  # rows -> the padded (B, T) layout
+                qb = q.new_zeros(B * T, *q.shape[2:])
+                qb[batch.row_index] = q[0]
+                qb = qb.view(B, T, *q.shape[2:]).transpose(1, 2)  # (B, nh, T, hs)
+            if batch.causal:  # a prompt on an empty cache: the fused causal kernel
+                y = F.scaled_dot_product_attention(qb, K, V, is_causal=True, enable_gqa=gqa)
+            elif T > 64:
+                y = F.scaled_dot_product_attention(qb, K, V, attn_mask=batch.bias, enable_gqa=gqa)
+            else:
+                y = attention(qb, K, V, batch.bias)
+            y = y.transpose(1, 2).reshape(B * T, -1)  # (B T, nh hs)
+            return (y if B == 1 else y[batch.row_index])[None]  # (1, R, nh hs)
+
+        kv.begin_step(batch)
+        for i in (range(len(self.layers)) if layers is None else layers):
+            x = self.layers[i](x, cos, sin, attend)
+        kv.end_step(batch)
+        return self.norm(x)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (..., dim) -> fp32 logits (..., vocab). One row reads the [in, out] copy; 4 or more

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from components.model.llama import LlamaArgs, Transformer, rope_inv_freq
-from pipeline.errors import UserError
+from pipeline.core import UserError, atomic_write
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -109,13 +109,15 @@ def _gguf_cache(path: Path) -> Path:
     hf_logging.set_verbosity_error()
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     args = LlamaArgs.from_hf_config(hf.config)
-    tmp = cdir.with_name(cdir.name + f".tmp{os.getpid()}")  # written whole, then renamed
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(convert_hf_state_dict(hf.state_dict(), args), tmp / "weights.safetensors")
-    (tmp / "args.json").write_text(json.dumps(asdict(args)))
-    _load_tokenizer(path.parent, path.name).save_pretrained(tmp)
+
+    def build(tmp: Path):
+        tmp.mkdir(parents=True)
+        save_file(convert_hf_state_dict(hf.state_dict(), args), tmp / "weights.safetensors")
+        (tmp / "args.json").write_text(json.dumps(asdict(args)))
+        _load_tokenizer(path.parent, path.name).save_pretrained(tmp)
+
     try:
-        tmp.rename(cdir)
+        atomic_write(cdir, build)
     except OSError:
         pass  # another process won the race; its copy is identical
     return cdir

@@ -7,9 +7,7 @@ from pathlib import Path
 import torch
 
 from components.heads.medusa import MedusaHeads
-from components.proposer.base import DecodeState, Proposer
-from pipeline.errors import UserError
-from pipeline.tree import StaticTree, Tree, dynamic_tree
+from pipeline.core import DecodeState, Proposer, StaticTree, Tree, UserError, dynamic_tree
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "checkpoints"
 
@@ -53,9 +51,10 @@ class MedusaProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> Tree | None:
+        depth = min(self.tree.depth, state.budget - 1)  # no draft past max_new_tokens / the context end
         if self.dynamic:
             ids, logp = self.heads.topk(state.hidden.float(), self.width, with_logprobs=True)
-            return dynamic_tree(state.tokens[-1], ids[:self.tree.depth], logp[:self.tree.depth],
-                                self.width, self.max_nodes)
+            return dynamic_tree(state.tokens[-1], ids[:depth], logp[:depth], self.width, self.max_nodes)
         topk = self.heads.topk(state.hidden.float(), self.tree.max_rank)  # (K, k): head k drafts depth k
-        return self.tree.fill(state.tokens[-1], topk[:self.tree.depth])
+        tree = self.tree.fill(state.tokens[-1], topk[:self.tree.depth])
+        return tree if depth == self.tree.depth else tree.prune(depth, tree.size)

@@ -3,14 +3,16 @@
 Matches are searched in the prompt and the output so far, longest n-gram first; several distinct
 continuations become the branches of one tree. When nothing matches there is no proposal and the
 step is a plain decode step. After a proposal that is rejected outright the proposer backs off for a
-few steps (doubling, capped), so text that matches only by accident costs little.
+few steps (doubling, capped), so text that matches only by accident costs little; what was accepted
+comes from `observe`, per sequence.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from components.proposer.base import DecodeState, Proposer
-from pipeline.tree import Tree
+from pipeline.core import DecodeState, Proposer, Tree
 
 
 class NgramProposer(Proposer):
@@ -27,24 +29,25 @@ class NgramProposer(Proposer):
         if not isinstance(max_backoff, int) or max_backoff < 0:
             raise ValueError(f"`proposer.max_backoff` must be an int >= 0, got {max_backoff}")
         self.max_backoff = max_backoff
-        self.reset()
+        self.seqs: dict[int, _Backoff] = {}
 
-    def reset(self) -> None:
-        self.skip = 0  # steps left to sit out
-        self.backoff = min(1, self.max_backoff)
-        self.last: Tree | None = None
-        self.last_len = 0
+    def start(self, seq, prompt_ids) -> None:
+        self.seqs[seq] = _Backoff(backoff=min(1, self.max_backoff))
 
-    def feedback(self, state: DecodeState) -> None:
-        """Learn from the previous proposal: how many of its drafts were committed."""
-        if self.last is None:
+    def release(self, seq) -> None:
+        self.seqs.pop(seq, None)
+
+    def observe(self, seq, tokens, hidden) -> None:
+        """Learn from the last proposal: a tree rejected outright (only the bonus token committed)
+        makes the sequence sit out a few steps."""
+        b = self.seqs[seq]
+        if not b.proposed:
             return
-        committed = len(state.tokens) - self.last_len  # drafts accepted + the bonus token
-        if committed <= 1:
-            self.skip, self.backoff = self.backoff, min(2 * self.backoff, self.max_backoff)
+        if len(tokens) <= 1:
+            b.skip, b.backoff = b.backoff, min(2 * b.backoff, self.max_backoff)
         else:
-            self.backoff = min(1, self.max_backoff)
-        self.last = None
+            b.backoff = min(1, self.max_backoff)
+        b.proposed = False
 
     def continuations(self, tokens: list[int], depth: int) -> list[list[int]]:
         arr = np.asarray(tokens, dtype=np.int64)
@@ -62,12 +65,11 @@ class NgramProposer(Proposer):
                     if len(found) == self.width:
                         return found
         return found
-        return found
 
     def propose(self, state: DecodeState) -> Tree | None:
-        self.feedback(state)
-        if self.skip > 0:
-            self.skip -= 1
+        b = self.seqs[state.seq]
+        if b.skip > 0:
+            b.skip -= 1
             return None
         paths = self.continuations(state.tokens, min(self.depth, state.budget - 1))
         if not paths:
@@ -76,5 +78,12 @@ class NgramProposer(Proposer):
         if tree.size - 1 > self.max_nodes:
             keep = list(range(self.max_nodes + 1))  # packed order is breadth-first per path: trim the tail
             tree = Tree.from_parents(tree.tokens[keep].tolist(), tree.parents[keep].tolist())
-        self.last, self.last_len = tree, len(state.tokens)
+        b.proposed = True
         return tree
+
+
+@dataclass
+class _Backoff:
+    backoff: int  # steps to sit out after the next outright rejection
+    skip: int = 0  # steps left to sit out now
+    proposed: bool = False  # the last step verified a tree of ours

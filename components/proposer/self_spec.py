@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from components.proposer.base import DecodeState, Proposer
-from pipeline.tree import Tree
+from pipeline.core import DecodeState, Proposer, Tree, forward_rows
 
 
 def parse_layers(spec, n_layers: int) -> list[int]:
@@ -44,8 +43,8 @@ class SelfSpecProposer(Proposer):
         tok, tokens, parents = state.tokens[-1], [state.tokens[-1]], [-1]
         chain = 0  # packed index of the newest chain node
         for d in range(min(self.depth, state.budget - 1)):
-            h = model(torch.tensor([[tok]]), torch.tensor([[kv.used]]), kv, layers=self.layers)
-            probs = model.logits(h)[0, -1].softmax(-1)
+            h = forward_rows(model, kv, state.seq, torch.tensor([tok]), layers=self.layers)  # (1, dim)
+            probs = model.logits(h)[-1].softmax(-1)
             top = probs.topk(self.width)
             ids, ps = top.indices.tolist(), top.values.tolist()
             if ps[0] < self.min_prob and d > 0:  # the draft is unsure: stop the chain here
@@ -56,5 +55,5 @@ class SelfSpecProposer(Proposer):
                 if rank == 0:
                     new_chain = len(tokens) - 1
             chain, tok = new_chain, ids[0]
-        kv.discard()  # the verifier rewrites these slots with every layer
+        kv.discard(state.seq)  # the verifier rewrites these slots with every layer
         return Tree.from_parents(tokens, parents) if len(tokens) > 1 else None

@@ -1,52 +1,85 @@
-"""Logits processors (transformers' one-method protocol) and the sampler that composes them."""
+"""Logits processors (transformers' one-method protocol: `__call__(input_ids, scores) -> scores`) and
+the sampler that chooses tokens from the processed target distribution.
+
+The processors run in the core's target-distribution stage (`pipeline.core.TargetStage`), once per
+row of a step, in the order of `Sampler.processors`: the configured list first, then temperature,
+top-k and top-p (as transformers orders processors before warpers).
+"""
 from __future__ import annotations
 
 import torch
 
+from pipeline.core import Sampler as SamplerBase
+from pipeline.core import Target
+
 
 class Temperature:
     def __init__(self, temperature: float):
-        if not isinstance(temperature, (int, float)) or temperature <= 0:
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature <= 0:
             raise ValueError(f"`sampler.temperature` must be a positive float, got {temperature}")
         self.temperature = float(temperature)
 
-    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input_ids, scores: torch.Tensor) -> torch.Tensor:
         return scores / self.temperature
 
 
 class TopK:
     def __init__(self, top_k: int):
-        if not isinstance(top_k, int) or top_k < 1:
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
             raise ValueError(f"`sampler.top_k` must be a positive int (or 0 to disable), got {top_k}")
         self.top_k = top_k
 
-    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input_ids, scores: torch.Tensor) -> torch.Tensor:
         k = min(self.top_k, scores.shape[-1])
-        kth = scores.topk(k, dim=-1).values[..., -1:]  # (B, 1)
+        kth = scores.topk(k, dim=-1).values[..., -1:]  # (R, 1)
         return scores.masked_fill(scores < kth, float("-inf"))
 
 
 class TopP:
     def __init__(self, top_p: float):
-        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
             raise ValueError(f"`sampler.top_p` must be in (0, 1], got {top_p}")
         self.top_p = float(top_p)
 
-    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input_ids, scores: torch.Tensor) -> torch.Tensor:
         sorted_scores, order = scores.sort(dim=-1, descending=True)
-        cum = sorted_scores.softmax(-1).cumsum(-1)
-        drop = cum - sorted_scores.softmax(-1) >= self.top_p  # keep the smallest set reaching top_p
+        probs = sorted_scores.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= self.top_p  # keep the smallest set reaching top_p
         drop[..., 0] = False
         return scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
 
 
-class Sampler:
-    """Greedy (`do_sample=false`) or multinomial sampling after temperature, top-k and top-p, in that
-    order, each optional. `__call__(scores (B, V), generator) -> tokens (B,)`."""
+class RepetitionPenalty:
+    """CTRL's penalty, as transformers applies it: the score of every token already in the row's
+    context is divided by `penalty` when positive, multiplied when negative."""
+    needs_input_ids = True
 
-    def __init__(self, do_sample: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+    def __init__(self, penalty: float):
+        if not isinstance(penalty, (int, float)) or isinstance(penalty, bool) or penalty <= 0:
+            raise ValueError(f"`penalty` of RepetitionPenalty must be a positive float, got {penalty}")
+        self.penalty = float(penalty)
+
+    def __call__(self, input_ids: list[list[int]], scores: torch.Tensor) -> torch.Tensor:
+        out = scores.clone()
+        for r, ids in enumerate(input_ids):
+            idx = torch.tensor(sorted(set(ids)), dtype=torch.long)
+            s = out[r, idx]
+            out[r, idx] = torch.where(s > 0, s / self.penalty, s * self.penalty)
+        return out
+
+
+class Sampler(SamplerBase):
+    """Greedy (`do_sample=false`: the argmax of the processed scores) or multinomial sampling from
+    them, each row with its request's own generator. `processors`: extra logits processors
+    (instantiated from `sampler.processors` in the config), applied before temperature, top-k, top-p."""
+
+    def __init__(self, do_sample: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 processors: list | None = None):
         self.do_sample = bool(do_sample)
-        self.processors = []
+        self.processors = list(processors or [])
+        for proc in self.processors:
+            if not callable(proc):
+                raise ValueError(f"`sampler.processors` entries must be logits processors (a _target_), got {proc!r}")
         if temperature != 1.0 or not isinstance(temperature, (int, float)):
             self.processors.append(Temperature(temperature))
         if top_k != 0:
@@ -58,12 +91,7 @@ class Sampler:
     def greedy(self) -> bool:
         return not self.do_sample
 
-    def probs(self, scores: torch.Tensor) -> torch.Tensor:
-        for proc in self.processors:
-            scores = proc(scores)
-        return scores.float().softmax(-1)
-
-    def __call__(self, scores: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def choose(self, p: Target, generators) -> list[int]:
         if not self.do_sample:
-            return scores.argmax(-1)
-        return torch.multinomial(self.probs(scores), 1, generator=generator).squeeze(-1)
+            return p.argmax
+        return [int(torch.multinomial(p.probs[r], 1, generator=g)) for r, g in enumerate(generators)]

@@ -1,4 +1,5 @@
-"""Candidate trees: plain data, in topological packed order.
+"""Candidate trees: plain data, in topological packed order (a core type: components import it from
+`pipeline.core`).
 
 Node 0 is the root: the newest committed token, whose keys/values are not in the cache yet (the
 bonus token of the previous step). Every other node is a draft token with `parents[i] < i`.
@@ -19,6 +20,16 @@ class Tree:
     parents: torch.Tensor  # (N,) long, parents[0] = -1
     depth: torch.Tensor  # (N,) long, depth[0] = 0
     mask: torch.Tensor  # (N, N) bool: node i may attend to node j iff j is i or an ancestor of i
+    # q: the draft distribution each node was drawn from, for exact speculative sampling: row i is
+    # the proposer's distribution over node i's children (N, V); None for deterministic drafts
+    # (argmax / top-k ranks / n-gram lookups: q is one-hot on the drafted token)
+    q: torch.Tensor | None = None
+    state: list | None = None  # per-node proposer state (e.g. a constraint matcher after the node)
+
+    @classmethod
+    def root(cls, token: int) -> "Tree":
+        """The one-node tree of a plain decode step."""
+        return cls.from_parents([token], [-1])
 
     @property
     def size(self) -> int:
@@ -53,6 +64,18 @@ class Tree:
 
     def positions(self, prefix_len: int) -> torch.Tensor:
         return (self.depth + prefix_len)[None]  # (1, N)
+
+    def prune(self, max_depth: int, max_size: int) -> "Tree":
+        """The first nodes (packed order, so every parent is kept before its children) with depth <=
+        max_depth, at most max_size of them including the root."""
+        keep = (self.depth <= max_depth).nonzero().squeeze(-1)[:max(1, max_size)]
+        if keep.numel() == self.size:
+            return self
+        q = None if self.q is None else self.q[keep]
+        state = None if self.state is None else [self.state[i] for i in keep.tolist()]
+        tree = Tree.from_parents(self.tokens[keep].tolist(), self.parents[keep].tolist())
+        tree.q, tree.state = q, state
+        return tree
 
     def path_to(self, node: int) -> list[int]:
         """Packed indices from the root down to `node`, both included."""

@@ -1,0 +1,171 @@
+"""Paged KV: fixed-size blocks in one pool, a block table per sequence, shared by reference.
+
+pool: (n_layers, 2, n_blocks, block_size, nkv, hs); a block id addresses the same block in every
+layer. A sequence's slot s lives in block table[s // block_size] at offset s % block_size.
+- `fork` copies the block table and raises each block's reference count: a prompt read by four
+  beams is stored once.
+- Before a step writes into a block that another sequence also holds (a shared, partly filled last
+  block), the block is copied first (copy-on-write); blocks are otherwise never copied.
+- Blocks past a sequence's used slots go back to the free list at once (commit, discard, truncate,
+  free); the free list hands out the lowest id first, so a lone sequence's blocks are usually
+  consecutive and its attention reads a view of the pool instead of gathering its blocks.
+"""
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from components.kv.base import SequencePool
+
+
+class PagedKV(SequencePool):
+    def __init__(self, backbone=None, block_size: int = 16, num_blocks: int = 128, n_layers: int | None = None,
+                 n_kv_heads: int | None = None, head_dim: int | None = None, dtype: torch.dtype | None = None):
+        """num_blocks: the pool's initial size; it doubles when a step needs more."""
+        for name, v in (("block_size", block_size), ("num_blocks", num_blocks)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"`kv.{name}` must be a positive int, got {v}")
+        super().__init__(backbone, n_layers, n_kv_heads, head_dim, dtype)
+        self.block_size = block_size
+        self.pool = torch.zeros(self.n_layers, 2, num_blocks, block_size, self.n_kv, self.hs, dtype=self.dtype)
+        self.ref = [0] * num_blocks  # sequences holding each block
+        self._free = list(range(num_blocks))  # a heap
+        self.tables: dict[int, list[int]] = {}
+        self.peak_blocks = 0
+        self.cow_copies = 0
+        self._plan = None
+
+    # --- blocks ----------------------------------------------------------------------------------
+    def _alloc(self) -> int:
+        if not self._free:
+            n = self.pool.shape[2]
+            grown = torch.zeros(self.n_layers, 2, 2 * n, self.block_size, self.n_kv, self.hs, dtype=self.dtype)
+            grown[:, :, :n] = self.pool
+            self.pool = grown
+            self.ref += [0] * n
+            self._free = list(range(n, 2 * n))
+        b = heapq.heappop(self._free)
+        self.ref[b] = 1
+        return b
+
+    def _decref(self, b: int) -> None:
+        self.ref[b] -= 1
+        if self.ref[b] < 0:
+            raise RuntimeError(f"block {b} released more often than it was held")
+        if self.ref[b] == 0:
+            heapq.heappush(self._free, b)
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.pool.shape[2] - len(self._free)
+
+    def _note_peak(self) -> None:
+        self.peak_blocks = max(self.peak_blocks, self.blocks_in_use)
+        super()._note_peak()
+
+    def _release_tail(self, seq: int) -> None:
+        table = self.tables[seq]
+        keep = -(-self.used(seq) // self.block_size)
+        while len(table) > keep:
+            self._decref(table.pop())
+
+    # --- sequences -------------------------------------------------------------------------------
+    def create(self) -> int:
+        seq = self._new_id()
+        self.tables[seq] = []
+        return seq
+
+    def fork(self, seq: int) -> int:
+        self._check(seq)
+        new = self._new_id()
+        n = self._len[seq]
+        shared = self.tables[seq][:-(-n // self.block_size)]
+        for b in shared:
+            self.ref[b] += 1
+        self.tables[new], self._len[new] = list(shared), n
+        return new
+
+    def free(self, seq: int) -> None:
+        self._drop(seq)
+        for b in self.tables.pop(seq):
+            self._decref(b)
+
+    # --- a step ----------------------------------------------------------------------------------
+    def begin_step(self, step) -> None:
+        bs = self.block_size
+        wblk, woff, reads = [], [], []
+        for seq, start, n in zip(step.seqs, step.starts, step.counts):
+            table = self.tables[seq]
+            while len(table) * bs < start + n:
+                table.append(self._alloc())
+            for i in range(start // bs, -(-(start + n) // bs)):  # blocks this step writes into
+                b = table[i]
+                if self.ref[b] > 1:  # shared with another sequence: copy on write
+                    c = self._alloc()
+                    self.pool[:, :, c] = self.pool[:, :, b]
+                    self._decref(b)
+                    table[i] = c
+                    self.cow_copies += 1
+            slots = torch.arange(start, start + n)
+            t = torch.tensor(table)
+            wblk.append(t[slots // bs])
+            woff.append(slots % bs)
+            reads.append(table)
+        self._note_peak()
+        nb = -(-step.span // bs)
+        if len(reads) == 1 and reads[0][:nb] == list(range(reads[0][0], reads[0][0] + nb)):
+            read = (reads[0][0], reads[0][0] + nb)  # consecutive blocks: a view of the pool
+        else:
+            read = torch.tensor([r[:nb] + [r[0]] * (nb - len(r[:nb])) for r in reads])  # (B, nb), padded
+        self._plan = (torch.cat(wblk), torch.cat(woff), read, nb)
+
+    def update(self, layer, k, v, step):
+        kp, vp = self.pool[layer, 0], self.pool[layer, 1]  # (n_blocks, block_size, nkv, hs)
+        wblk, woff, read, nb = self._plan
+        kp[wblk, woff] = k  # (R, nkv, hs)
+        vp[wblk, woff] = v
+        B, S, shape = len(step.seqs), step.span, (len(step.seqs), nb * self.block_size, self.n_kv, self.hs)
+        if isinstance(read, tuple):
+            K, V = kp[read[0]:read[1]].view(shape), vp[read[0]:read[1]].view(shape)
+        else:
+            K, V = kp[read].view(shape), vp[read].view(shape)  # (B, nb, block, nkv, hs) gathered
+        return K[:, :S].transpose(1, 2), V[:, :S].transpose(1, 2)  # (B, nkv, S, hs)
+
+    def end_step(self, step) -> None:
+        super().end_step(step)
+        self._plan = None
+
+    def commit(self, seq, keep=None) -> None:
+        self._check(seq)
+        L = self._len[seq]
+        if keep is None:
+            self._len[seq] += self._pend[seq]
+        else:
+            idx = self._kept(seq, keep)
+            n = len(keep)
+            if idx is not None:
+                bs, t = self.block_size, torch.tensor(self.tables[seq])
+                src, dst = idx + L, torch.arange(L, L + n)
+                # the blocks past the committed prefix were written this step: this sequence owns them
+                self.pool[:, :, t[dst // bs], dst % bs] = self.pool[:, :, t[src // bs], src % bs]
+            self._len[seq] = L + n
+        self._pend[seq] = 0
+        self._release_tail(seq)
+
+    def gather(self, seq, layer):
+        n, bs = self._len[seq], self.block_size
+        slots = torch.arange(n)
+        t = torch.tensor(self.tables[seq], dtype=torch.long)
+        k = self.pool[layer, 0, t[slots // bs], slots % bs] if n else self.pool.new_zeros(0, self.n_kv, self.hs)
+        v = self.pool[layer, 1, t[slots // bs], slots % bs] if n else self.pool.new_zeros(0, self.n_kv, self.hs)
+        return k.transpose(0, 1).clone(), v.transpose(0, 1).clone()  # (nkv, n, hs)
+
+    def stats(self) -> dict:
+        block_bytes = self.block_size * self.slot_bytes
+        return {"sequences": len(self.tables), "tokens": sum(self._len.values()),
+                "bytes_in_use": self.blocks_in_use * block_bytes, "peak_bytes": self.peak_bytes,
+                "bytes_allocated": self.pool.numel() * self.dtype.itemsize,
+                "blocks_in_use": self.blocks_in_use, "peak_blocks": self.peak_blocks,
+                "shared_blocks": sum(r > 1 for r in self.ref), "free_blocks": len(self._free),
+                "block_size": self.block_size, "cow_copies": self.cow_copies}

@@ -1,0 +1,220 @@
+"""The step loop over many sequences: admit -> propose -> one target forward -> verify -> commit.
+
+Every live sequence's root (a plain step) or tree is packed into one target forward (`StepBatch`:
+block-diagonal attention, each row positioned within its own sequence). The target-distribution
+stage processes every row once; plain rows are sampled, trees are verified, and each sequence
+commits its own accepted path. A request that finishes leaves the batch at once and the next one
+is admitted (its prompt prefilled alone) before the next step: continuous batching.
+
+The root of a sequence is its newest token, already chosen and streamed, whose keys/values are not
+cached yet; a step with no draft is exactly a plain decode step, and every step commits
+accept_length + 1 tokens per target forward.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from pipeline.core.errors import UserError
+from pipeline.core.target import TargetStage
+from pipeline.core.tree import Tree
+from pipeline.core.types import DecodeState, Generation, StepBatch
+
+
+def forward_rows(model, kv, seq: int, tokens: torch.Tensor, depths: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None, layers: list[int] | None = None) -> torch.Tensor:
+    """One sequence's forward: tokens (n,) after the slots it holds (a prompt block when depths and
+    mask are None, else a tree). Returns hidden (n, dim); the rows become tentative slots."""
+    step = StepBatch.build([seq], [tokens], [depths], [mask], [kv.used(seq)], model.dtype)
+    return model.step(step, kv, layers)
+
+
+@dataclass
+class _Live:
+    index: int  # the request's position in the run
+    seq: int  # its sequence id in the KV pool
+    prompt_len: int
+    tokens: list[int]  # prompt + committed tokens; the last is the root
+    hidden: torch.Tensor | None  # (dim,) the target state that chose the root
+    gen: Generation
+    generator: torch.Generator
+    t0: float
+    done: bool = False
+
+
+class Engine:
+    """Decodes requests `batch_size` at a time with one model, KV pool, sampler and, optionally, a
+    proposer + verifier. Tokens do not depend on the batch size (up to float rounding of batched
+    matmuls, see the README) and sampling is seeded per request."""
+
+    def __init__(self, model, kv, sampler, eos_ids: list[int], max_new_tokens: int, proposer=None,
+                 verifier=None, seed: int = 0, batch_size: int = 1):
+        for name, v in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise UserError(f"{name} must be a positive int, got {v}")
+        if proposer is not None and verifier is None:
+            raise UserError("a proposer needs a verifier: add verifier=greedy")
+        if proposer is not None and not sampler.greedy:
+            raise UserError("verifier=greedy is lossless only for sampler=greedy; drop the proposer to sample")
+        self.model, self.kv, self.sampler = model, kv, sampler
+        self.eos_ids, self.max_new_tokens = set(eos_ids), max_new_tokens
+        self.proposer, self.verifier = proposer, verifier
+        self.seed, self.batch_size = seed, batch_size
+        self.target = TargetStage(sampler.processors)
+
+    # --- public ------------------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[int], on_tokens: Callable[[list[int]], None] | None = None,
+                 seed: int | None = None) -> Generation:
+        """One request on its own."""
+        cb = None if on_tokens is None else (lambda i, ids, hidden: on_tokens(ids))
+        return self.run([prompt_ids], [self.seed if seed is None else seed], on_tokens=cb)[0]
+
+    @torch.inference_mode()
+    def run(self, prompts: list[list[int]], seeds: list[int] | None = None,
+            on_tokens: Callable[[int, list[int], torch.Tensor], None] | None = None,
+            on_finish: Callable[[int, Generation], None] | None = None) -> list[Generation]:
+        """Decode every prompt. on_tokens(i, ids, hidden): request i committed `ids`, chosen by the
+        target states hidden (n, dim); on_finish(i, generation) as soon as request i is done. On any
+        exception (a failure, Ctrl-C) every live sequence's memory goes back to the pool first."""
+        limit = self.model.args.max_seq_len
+        for i, p in enumerate(prompts):
+            if not p:
+                raise UserError(f"request {i} has an empty prompt: give it some text")
+            if len(p) >= limit:
+                raise UserError(f"request {i}: prompt is {len(p)} tokens, the model's context is {limit}: "
+                                "shorten it or raise model.max_seq_len")
+        seeds = [self.seed + i for i in range(len(prompts))] if seeds is None else list(seeds)
+        queue, live = deque(range(len(prompts))), []
+        out: list[Generation | None] = [None] * len(prompts)
+        try:
+            while queue or live:
+                while queue and len(live) < self.batch_size:
+                    i = queue.popleft()
+                    live.append(self._admit(i, prompts[i], seeds[i], on_tokens))
+                if not all(s.done for s in live):
+                    self._step([s for s in live if not s.done], on_tokens)
+                for s in [s for s in live if s.done]:
+                    live.remove(s)
+                    self._release(s)
+                    s.gen.wall_s = time.perf_counter() - s.t0
+                    out[s.index] = s.gen
+                    if on_finish is not None:
+                        on_finish(s.index, s.gen)
+        finally:
+            for s in live:
+                self._release(s)
+        return out
+
+    # --- one request joins ---------------------------------------------------------------------------
+    def _admit(self, i: int, prompt: list[int], seed: int, on_tokens) -> _Live:
+        t0 = time.perf_counter()
+        seq = self.kv.create()
+        s = _Live(i, seq, len(prompt), list(prompt), None, Generation(), torch.Generator().manual_seed(seed), t0)
+        try:
+            h = forward_rows(self.model, self.kv, seq, torch.tensor(prompt))  # (P, dim)
+            self.kv.commit(seq)
+            p = self.target(self.model.logits(h[-1:]), input_ids=lambda: [s.tokens])
+            first = self.sampler.choose(p, [s.generator])[0]
+            if self.proposer is not None:
+                self.proposer.start(seq, prompt)
+                self.proposer.observe(seq, prompt[1:] + [first], h)
+        except BaseException:
+            self._release(s)
+            raise
+        s.hidden = h[-1]
+        s.gen.prefill_ms = (time.perf_counter() - t0) * 1e3
+        self._emit(s, [first], h[-1:], on_tokens)
+        return s
+
+    def _release(self, s: _Live) -> None:
+        if s.seq in self.kv.sequences:
+            self.kv.free(s.seq)
+        if self.proposer is not None:
+            self.proposer.release(s.seq)
+
+    # --- one step over every live sequence -------------------------------------------------------
+    def _budget(self, s: _Live) -> int:
+        """Tokens this sequence may still commit: up to max_new_tokens and the context end."""
+        n = len(s.gen.token_ids)
+        return min(self.max_new_tokens - n, self.model.args.max_seq_len - s.prompt_len - n)
+
+    def _step(self, live: list[_Live], on_tokens) -> None:
+        t = time.perf_counter()
+        model, kv = self.model, self.kv
+        rank = {seq: r for r, seq in enumerate(kv.batch_order([s.seq for s in live]))}
+        live = sorted(live, key=lambda s: rank[s.seq])
+        trees = []
+        for s in live:
+            budget, tree = self._budget(s), None
+            if self.proposer is not None and budget > 1:
+                tree = self.proposer.propose(DecodeState(s.seq, s.tokens, s.hidden, model, kv, budget, s.generator))
+            if tree is None:
+                tree = Tree.root(s.tokens[-1])
+            else:  # never more drafts than tokens left, never past the context end
+                tree = tree.prune(budget - 1, model.args.max_seq_len - kv.used(s.seq))
+            trees.append(tree)
+        step = StepBatch.build([s.seq for s in live], [tr.tokens for tr in trees],
+                               [None if tr.size == 1 else tr.depth for tr in trees],
+                               [None if tr.size == 1 else tr.mask for tr in trees],
+                               [kv.used(s.seq) for s in live], model.dtype)
+        h = model.step(step, kv)  # (R, dim)
+        p = self.target(model.logits(h), input_ids=lambda: _contexts(live, trees))
+        committed = []
+        for s, tree, o in zip(live, trees, step.offsets):
+            if tree.size == 1:
+                path, new = [0], self.sampler.choose(p.rows(o, o + 1), [s.generator])
+                kv.commit(s.seq)
+            else:
+                acc = self.verifier.verify(tree, p.rows(o, o + tree.size), s.generator)
+                path, new = acc.path, acc.tokens
+                kv.commit(s.seq, path)
+            hidden = h[o + torch.tensor(path)] if len(path) > 1 else h[o:o + 1]  # (n, dim) along the path
+            if self.proposer is not None:
+                self.proposer.observe(s.seq, new, hidden)
+            s.hidden = hidden[-1]
+            committed.append((new, hidden))
+        ms = (time.perf_counter() - t) * 1e3
+        for s, tree, (new, hidden) in zip(live, trees, committed):
+            s.gen.step_ms.append(ms)
+            s.gen.step_nodes.append(tree.size)
+            s.gen.tree_depths.append(tree.max_depth)
+            self._emit(s, new, hidden, on_tokens)
+
+    def _emit(self, s: _Live, new: list[int], hidden: torch.Tensor, on_tokens) -> None:
+        """Append committed tokens, stopping exactly where plain decoding would: at the first EOS,
+        at max_new_tokens or at the context end, even inside an accepted path."""
+        gen, out = s.gen, []
+        limit = self.model.args.max_seq_len
+        for tok in new:
+            out.append(tok)
+            n = len(gen.token_ids) + len(out)
+            if tok in self.eos_ids:
+                gen.finish_reason, s.done = "eos", True
+            elif n >= self.max_new_tokens:
+                gen.finish_reason, s.done = "length", True
+            elif s.prompt_len + n >= limit:
+                gen.finish_reason, s.done = "context", True
+            if s.done:
+                break
+        gen.token_ids += out
+        gen.accepted_lengths.append(len(out))
+        s.tokens += new
+        if on_tokens is not None and out:
+            on_tokens(s.index, out, hidden[:len(out)])
+
+
+def _contexts(live: list[_Live], trees: list[Tree]) -> list[list[int]]:
+    """The token context each row of a step continues: the committed tokens, then the drafts on
+    the path from the root to the row's node."""
+    out = []
+    for s, tree in zip(live, trees):
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        ctx = [s.tokens]
+        for i in range(1, len(tokens)):
+            ctx.append(ctx[parents[i]] + [tokens[i]])
+        out += ctx
+    return out

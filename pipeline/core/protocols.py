@@ -1,0 +1,175 @@
+"""The interface of every role. Components implement these; the core calls only these.
+
+    proposer.propose(state) -> Tree | None          drafts (None = a plain step)
+    model.step(batch, kv) -> hidden (R, dim)          one target forward over every live sequence
+    target(logits, ...) -> Target                     the processed target distribution, per row
+    verifier.verify(tree, p, generator) -> Accepted  which drafts to keep, and the bonus token
+    kv.commit(seq, path); proposer.observe(seq, tokens, hidden)
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from pipeline.core.tree import Tree
+from pipeline.core.types import Accepted, DecodeState, StepBatch
+
+
+class Proposer(ABC):
+    """Drafts candidate trees for the target to verify. One instance serves every live sequence of
+    a run; per-sequence state is keyed by the sequence id."""
+
+    # True when drafts are sampled from a distribution q that the tree carries (`Tree.q`); False
+    # for deterministic drafts (argmax, top-k ranks, lookups), whose q is one-hot
+    sampled: bool = False
+
+    def start(self, seq: int, prompt_ids: list[int]) -> None:
+        """A new sequence begins; `observe` follows with the prompt's hidden states."""
+
+    @abstractmethod
+    def propose(self, state: DecodeState) -> Tree | None:
+        """The tree to verify after `state.tokens[-1]` (the root), or None for a plain step. The
+        engine prunes a tree to `state.budget`, but a proposer should not draft past it."""
+
+    def observe(self, seq: int, tokens: list[int], hidden: torch.Tensor) -> None:
+        """Committed tokens and the target's hidden states that chose them: hidden[j] (n, dim) is
+        the state whose next-token head gave tokens[j]. After prefill: the prompt's tokens 1..P-1
+        and the first generated one, with the hidden state at every prompt position; after each
+        step: the accepted drafts and the bonus token, with the states along the accepted path."""
+
+    def release(self, seq: int) -> None:
+        """The sequence finished (or failed): drop its state."""
+
+
+class Verifier(ABC):
+    @abstractmethod
+    def verify(self, tree: Tree, p: "Target", generator: torch.Generator | None = None) -> Accepted:
+        """p: the processed target distribution at every node (row i = the target's next-token
+        distribution after node i); the tree's `q` holds the draft's, when drafts were sampled."""
+
+
+@runtime_checkable
+class LogitsProcessor(Protocol):
+    """transformers' one-method protocol. input_ids: the context each row continues (a list of R
+    token lists; only built for processors with `needs_input_ids = True`, else None); scores (R, V).
+    Returns new scores and never mutates its inputs."""
+
+    def __call__(self, input_ids: list[list[int]] | None, scores: torch.Tensor) -> torch.Tensor: ...
+
+
+class Sampler(ABC):
+    """Chooses tokens from processed scores: greedy (argmax) or sampling."""
+    processors: list  # LogitsProcessor, applied in order by the target stage
+
+    @property
+    @abstractmethod
+    def greedy(self) -> bool: ...
+
+    @abstractmethod
+    def choose(self, p: "Target", generators: list[torch.Generator | None]) -> list[int]:
+        """One token per row of p."""
+
+
+class Constraint(ABC):
+    """A per-sequence automaton over tokens (regex, JSON schema, grammar): which tokens may come next.
+    Filled in by the constraint components; the target stage applies `allowed` as a mask."""
+
+    @abstractmethod
+    def allowed(self) -> torch.Tensor:
+        """(V,) bool: the tokens allowed in the current state."""
+
+    @abstractmethod
+    def advance(self, token: int) -> None: ...
+
+    @abstractmethod
+    def rollback(self, n: int) -> None:
+        """Undo the last n tokens (rejected drafts)."""
+
+    @abstractmethod
+    def fork(self) -> "Constraint": ...
+
+    @abstractmethod
+    def is_complete(self) -> bool: ...
+
+
+class KVManager(ABC):
+    """A pool of per-sequence key/value caches, addressed by sequence id.
+
+    A sequence holds `length(seq)` committed slots followed by `pending(seq)` tentative ones. A step
+    writes each sequence's new rows after the slots it holds (`update`, per layer, between
+    `begin_step` and `end_step`); the rows then become tentative, and the decoder decides:
+    `commit(seq)` keeps them all (plain decoding), `commit(seq, keep)` gathers the chosen ones, in
+    order, right after the committed prefix and releases the rest (tree verification),
+    `discard(seq)` releases them (a draft pass), `truncate(seq, n)` rolls the committed prefix back.
+    """
+
+    @abstractmethod
+    def create(self) -> int:
+        """A new, empty sequence."""
+
+    @abstractmethod
+    def fork(self, seq: int) -> int:
+        """A new sequence with the same committed prefix as `seq` (sharing its memory where the
+        manager can); the two evolve independently afterwards."""
+
+    @abstractmethod
+    def free(self, seq: int) -> None:
+        """Give the sequence's memory back; its id is dead."""
+
+    @abstractmethod
+    def length(self, seq: int) -> int: ...
+
+    @abstractmethod
+    def pending(self, seq: int) -> int: ...
+
+    def used(self, seq: int) -> int:
+        return self.length(seq) + self.pending(seq)
+
+    @property
+    @abstractmethod
+    def sequences(self) -> list[int]:
+        """Live sequence ids."""
+
+    def batch_order(self, seqs: list[int]) -> list[int]:
+        """The order in which a step should list these sequences for the cheapest attention."""
+        return list(seqs)
+
+    @abstractmethod
+    def begin_step(self, step: StepBatch) -> None:
+        """Make room for every sequence's new rows (grow, allocate, copy-on-write)."""
+
+    @abstractmethod
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: (R, nkv, hs) of the step's packed rows. Writes them and returns what each sequence
+        attends to, padded: (B, nkv, S, hs) each, slots past a sequence's own masked by the step."""
+
+    @abstractmethod
+    def end_step(self, step: StepBatch) -> None:
+        """The step's rows become tentative slots."""
+
+    @abstractmethod
+    def commit(self, seq: int, keep: list[int] | None = None) -> None:
+        """Keep the tentative slots `keep` (indices from the first tentative slot, ascending), or
+        all of them (None); release the rest."""
+
+    @abstractmethod
+    def discard(self, seq: int) -> None:
+        """Release every tentative slot of `seq`."""
+
+    @abstractmethod
+    def truncate(self, seq: int, n: int) -> None:
+        """Roll the committed prefix back to its first n slots (tentative slots go too)."""
+
+    @abstractmethod
+    def gather(self, seq: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The committed keys and values of one sequence and layer, (nkv, length, hs) each, as a
+        copy (for tests and debugging, not the hot path)."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """Memory accounting: bytes in use, peak, and the manager's own counters."""
+
+
+from pipeline.core.target import Target  # noqa: E402  (annotations above; target imports nothing of this)

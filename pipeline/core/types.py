@@ -1,0 +1,111 @@
+"""The data that flows through one decode step: the packed step, the decode state a proposer sees,
+what a verifier accepted, and what a finished request produced."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Accepted:
+    """What a verifier keeps of one tree (vLLM / SpecInfer naming)."""
+    path: list[int]  # packed node indices, root first: the tentative slots to commit
+    draft_tokens: list[int]  # the accepted draft tokens (the path without the root)
+    bonus_token: int  # the target's own token after the last accepted node: the bonus token when
+    # every draft on the path was accepted, the recovered (corrected) token after a rejection
+
+    @property
+    def accept_length(self) -> int:
+        return len(self.draft_tokens)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Everything this step commits: accepted drafts, then the bonus / recovered token."""
+        return self.draft_tokens + [self.bonus_token]
+
+
+@dataclass
+class DecodeState:
+    """What a proposer sees of one live sequence when it drafts."""
+    seq: int  # the sequence id in the KV pool
+    tokens: list[int]  # prompt + every committed token, the root (newest, not yet cached) last
+    hidden: torch.Tensor  # (dim,) the target's hidden state that chose the root
+    model: object  # the backbone Transformer, for self-drafting proposers
+    kv: object  # its KV manager; a draft may write tentative slots of `seq` and must discard them
+    budget: int  # tokens still allowed after the root's step (max_new_tokens, context end)
+    generator: torch.Generator | None = None  # the request's own, for sampled drafts
+
+
+@dataclass
+class Generation:
+    """One finished request."""
+    token_ids: list[int] = field(default_factory=list)  # generated tokens (EOS included when it ended on it)
+    finish_reason: str = "length"  # eos | length | context | constraint_complete
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens committed per target forward (prefill first)
+    step_ms: list[float] = field(default_factory=list)  # wall time per step this request took part in
+    step_nodes: list[int] = field(default_factory=list)  # its tree nodes per step (1 = plain step)
+    tree_depths: list[int] = field(default_factory=list)  # its deepest draft per step (0 = plain step)
+    wall_s: float = 0.0  # from admission (prefill) to the last token
+    prefill_ms: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.accepted_lengths)
+
+
+@dataclass
+class StepBatch:
+    """One target forward over the new rows of several sequences, packed row after row.
+
+    Sequence b owns rows [offsets[b], offsets[b + 1]) (a prompt block, a plain step's root, or a
+    tree). Its rows are written after the `starts[b]` slots it already holds (committed + tentative)
+    and attend to those slots plus, among themselves, what `masks[b]` allows. Attention runs on a
+    padded (B, T) layout: row r sits at flat index `row_index[r]` of (B * T)."""
+    seqs: list[int]  # (B,) sequence ids
+    tokens: torch.Tensor  # (R,) long
+    positions: torch.Tensor  # (R,) long: position ids (start + depth in the tree / offset in the block)
+    offsets: list[int]  # (B + 1,) row offsets
+    starts: list[int]  # (B,) slots already held by each sequence
+    bias: torch.Tensor | None  # (B, 1, T, S) additive attention bias (0 / -inf); None = attend to all
+    row_index: torch.Tensor | None  # (R,) flat index into (B * T); None when B == 1
+    causal: bool  # one sequence, empty cache, a causal block: the fused causal kernel applies
+    width: int  # T: the most rows any sequence has
+    span: int  # S: the most slots any sequence attends to (start + its rows)
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def counts(self) -> list[int]:
+        return [b - a for a, b in zip(self.offsets, self.offsets[1:])]
+
+    @classmethod
+    def build(cls, seqs: list[int], tokens: list[torch.Tensor], depths: list[torch.Tensor | None],
+              masks: list[torch.Tensor | None], starts: list[int], dtype: torch.dtype = torch.float32) -> "StepBatch":
+        """tokens[b]: (n_b,) the new rows of sequence b; depths[b]: (n_b,) their depth below the
+        first row (None = 0, 1, 2, ...: a causal block); masks[b]: (n_b, n_b) bool ancestry among
+        them (None = causal)."""
+        counts = [t.shape[0] for t in tokens]
+        B, T = len(seqs), max(counts)
+        S = max(s + n for s, n in zip(starts, counts))
+        offsets = [0]
+        for n in counts:
+            offsets.append(offsets[-1] + n)
+        pos = [s + (torch.arange(n) if d is None else d) for s, n, d in zip(starts, counts, depths)]
+        plain = B == 1 and masks[0] is None
+        causal = plain and starts[0] == 0 and T > 1
+        bias = None
+        if not (plain and (T == 1 or causal)):
+            allowed = torch.zeros(B, 1, T, S, dtype=torch.bool)
+            for b, (s, n, m) in enumerate(zip(starts, counts, masks)):
+                allowed[b, 0, :n, :s] = True  # the sequence's own cached slots
+                allowed[b, 0, :n, s:s + n] = torch.ones(n, n, dtype=torch.bool).tril_() if m is None else m
+                allowed[b, 0, n:, 0] = True  # padding rows: any finite row, their output is dropped
+            bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+        row_index = None
+        if B > 1:
+            row_index = torch.cat([b * T + torch.arange(n) for b, n in enumerate(counts)])
+        return cls(list(seqs), torch.cat(tokens), torch.cat(pos), offsets, list(starts), bias, row_index,
+                   causal, T, S)
