@@ -13,7 +13,7 @@ from components.kv.base import SequencePool
 
 
 class ContiguousKV(SequencePool):
-    def __init__(self, backbone=None, max_len: int = 2048, n_layers: int | None = None,
+    def __init__(self, backbone=None, max_len: int = 512, n_layers: int | None = None,
                  n_kv_heads: int | None = None, head_dim: int | None = None, dtype: torch.dtype | None = None):
         """max_len: slots per sequence allocated up front (grown when a sequence needs more)."""
         if not isinstance(max_len, int) or max_len <= 0:
