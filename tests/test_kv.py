@@ -1,263 +1,258 @@
-"""ContiguousKV: the KV manager contract (components/kv/base.py), unit by unit, then the issue's
-soak test: hundreds of random tree steps on the tiny model with no leaked slot and a committed cache
-equal to plain decoding of the committed tokens."""
+"""The KV manager contract (`pipeline.core.KVManager`), run over every option of conf/kv: a new KV
+manager is tested by adding its YAML. Each manager is checked against a naive per-sequence copy
+(a list of slots per sequence) under scripted and random sequences of create / fork / step /
+commit / discard / truncate / free; pools must never leak memory or go negative."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from components.kv.contiguous import ContiguousKV
-from pipeline.tree import Tree
+import pipeline.cli
+from pipeline.build import component
+from pipeline.core import StepBatch, Tree, forward_rows
 
-L, NKV, HS = 3, 2, 4
+from conftest import compose_config
 
-
-def make(max_len=64, batch=1):
-    kv = ContiguousKV(None, max_len, L, NKV, HS, torch.float32)
-    kv.allocate(batch, max_len)
-    return kv
-
-
-def write(kv, values: list[float], layers=None, batch=1):
-    """One 'forward' of len(values) tokens: slot t of every layer/head gets keys = value,
-    values = -value (layer-offset so layers are distinguishable)."""
-    T = len(values)
-    base = torch.tensor(values, dtype=torch.float32).view(1, 1, T, 1).expand(batch, NKV, T, HS)
-    for layer in range(L) if layers is None else layers:
-        kv.update(layer, base + 1000 * layer, -(base + 1000 * layer))
-    kv.advance(T)
+L, NKV, HS = 2, 2, 4
+OPTIONS = pipeline.cli.groups()["kv"]
+SMALL = {"paged": ["kv.block_size=4", "kv.num_blocks=2"]}  # small blocks and pool: every path is taken
 
 
-def committed(kv, layer=0) -> list[float]:
-    k, v = kv.keys_values(layer)
-    assert k.shape == (kv.batch, NKV, kv.length, HS) and v.shape == k.shape
-    assert torch.equal(v, -k)
-    assert bool((k == k[:, :1, :, :1]).all()), "heads/features of one slot must agree"
-    return (k[0, 0, :, 0] - 1000 * layer).tolist()
+def fake_backbone():
+    args = SimpleNamespace(n_layers=L, n_kv_heads=NKV, head_dim=HS)
+    return SimpleNamespace(model=SimpleNamespace(args=args, dtype=torch.float32))
 
 
-def test_update_returns_cached_plus_new_and_advance_marks_pending():
-    kv = make()
-    write(kv, [1, 2])
-    kv.commit()
-    k, v = kv.update(0, torch.full((1, NKV, 3, HS), 7.0), torch.full((1, NKV, 3, HS), -7.0))
-    assert k.shape == (1, NKV, 5, HS)  # used + T
-    assert k[0, 0, :, 0].tolist() == [1, 2, 7, 7, 7]
-    for layer in range(1, L):
-        kv.update(layer, torch.zeros(1, NKV, 3, HS), torch.zeros(1, NKV, 3, HS))
-    kv.advance(3)
-    assert (kv.length, kv.pending, kv.used, kv.slots_in_use) == (2, 3, 5, 5)
+def make(option: str, backbone=None, extra=()):
+    cfg = compose_config([f"kv={option}", *SMALL.get(option, []), *extra])
+    return component(cfg.kv, backbone or fake_backbone())
 
 
-def test_commit_all():
-    kv = make()
-    write(kv, [1, 2, 3])
-    assert (kv.length, kv.pending) == (0, 3)
-    kv.commit()
-    assert (kv.length, kv.pending, kv.slots_in_use) == (3, 0, 3)
-    write(kv, [4])
-    kv.commit()
+class Reference:
+    """The naive model: every sequence is a list of committed slots and a list of pending ones, each
+    slot a (L, 2, NKV, HS) tensor."""
+
+    def __init__(self):
+        self.committed: dict[int, list[torch.Tensor]] = {}
+        self.pending: dict[int, list[torch.Tensor]] = {}
+
+
+def step(kv, ref: Reference, seqs: list[int], counts: list[int], gen: torch.Generator):
+    """Write `counts[b]` new rows to each sequence through begin_step / update / end_step, checking
+    what every layer's update returns against the reference."""
+    toks = [torch.zeros(n, dtype=torch.long) for n in counts]
+    batch = StepBatch.build(seqs, toks, [None] * len(seqs), [None] * len(seqs), [kv.used(s) for s in seqs])
+    R = batch.rows
+    kvals = torch.randn(L, 2, R, NKV, HS, generator=gen)
+    kv.begin_step(batch)
     for layer in range(L):
-        assert committed(kv, layer) == [1, 2, 3, 4]
+        K, V = kv.update(layer, kvals[layer, 0], kvals[layer, 1], batch)
+        assert K.shape == V.shape == (len(seqs), NKV, batch.span, HS)
+        for b, s in enumerate(seqs):
+            o, n = batch.offsets[b], counts[b]
+            old = ref.committed[s] + ref.pending[s]
+            want = torch.stack([x[layer] for x in old] + list(kvals[layer, :, o:o + n].unbind(1)))  # (used + n, 2, NKV, HS)
+            used = len(old) + n
+            torch.testing.assert_close(K[b, :, :used], want[:, 0].transpose(0, 1), rtol=0, atol=0)
+            torch.testing.assert_close(V[b, :, :used], want[:, 1].transpose(0, 1), rtol=0, atol=0)
+    kv.end_step(batch)
+    for b, s in enumerate(seqs):
+        o = batch.offsets[b]
+        ref.pending[s] += list(kvals[:, :, o:o + counts[b]].permute(2, 0, 1, 3, 4).unbind(0))
 
 
-@pytest.mark.parametrize("keep", [[0, 2, 5], [1, 2, 3], [5], [0], [0, 1, 2, 3, 4, 5], [3, 4, 5]])
-@pytest.mark.parametrize("as_tensor", [False, True])
-def test_commit_keep_gathers_in_order_and_releases_the_rest(keep, as_tensor):
-    kv = make()
-    write(kv, [10, 11])
-    kv.commit()
-    tentative = [20, 21, 22, 23, 24, 25]
-    write(kv, tentative)
-    kv.commit(torch.tensor(keep) if as_tensor else keep)
-    assert kv.pending == 0
-    assert kv.length == 2 + len(keep)
-    assert kv.slots_in_use == kv.length
-    for layer in range(L):
-        assert committed(kv, layer) == [10, 11] + [tentative[i] for i in keep]
-    # the released slots are really free: the next forward lands right after the kept ones
-    write(kv, [99])
-    kv.commit()
-    assert committed(kv, 1) == [10, 11] + [tentative[i] for i in keep] + [99]
+def check(kv, ref: Reference):
+    assert sorted(kv.sequences) == sorted(ref.committed)
+    for s in ref.committed:
+        assert kv.length(s) == len(ref.committed[s]) and kv.pending(s) == len(ref.pending[s])
+        for layer in range(L):
+            k, v = kv.gather(s, layer)
+            want = torch.stack([x[layer] for x in ref.committed[s]]) if ref.committed[s] else torch.zeros(0, 2, NKV, HS)
+            torch.testing.assert_close(k, want[:, 0].transpose(0, 1), rtol=0, atol=0)
+            torch.testing.assert_close(v, want[:, 1].transpose(0, 1), rtol=0, atol=0)
+    if hasattr(kv, "ref"):  # a paged pool: reference counts are exactly the block tables' holdings
+        held = [0] * len(kv.ref)
+        for table in kv.tables.values():
+            for b in table:
+                held[b] += 1
+        assert kv.ref == held
+        assert min(kv.ref) >= 0
+        assert sorted(kv._free) == [b for b, r in enumerate(kv.ref) if r == 0]
 
 
-def test_commit_keep_nothing():
-    kv = make()
-    write(kv, [1])
-    kv.commit()
-    write(kv, [2, 3])
-    kv.commit([])
-    assert (kv.length, kv.pending, kv.slots_in_use) == (1, 0, 1)
-    assert committed(kv) == [1]
+def run_ops(kv, ops: list[tuple[int, int, int]], seed: int):
+    """Interpret (op, a, b) triples against the manager and the reference, checking after each."""
+    ref, gen, rng = Reference(), torch.Generator().manual_seed(seed), random.Random(seed)
+    for op, a, b in ops:
+        live = list(ref.committed)
+        if op == 0 or not live:  # create
+            s = kv.create()
+            ref.committed[s], ref.pending[s] = [], []
+        elif op == 1:  # a step over up to three sequences
+            seqs = rng.sample(live, min(len(live), 1 + a % 3))
+            step(kv, ref, seqs, [1 + (b + i) % 5 for i in range(len(seqs))], gen)
+        elif op == 2:  # commit: all, or a random ascending subset of the pending slots
+            s = live[a % len(live)]
+            p = len(ref.pending[s])
+            if b % 2:
+                kv.commit(s)
+                ref.committed[s] += ref.pending[s]
+            else:
+                keep = sorted(rng.sample(range(p), rng.randint(0, p)))
+                kv.commit(s, keep)
+                ref.committed[s] += [ref.pending[s][i] for i in keep]
+            ref.pending[s] = []
+        elif op == 3:  # fork
+            s = live[a % len(live)]
+            new = kv.fork(s)
+            ref.committed[new], ref.pending[new] = list(ref.committed[s]), []
+        elif op == 4:  # discard
+            s = live[a % len(live)]
+            kv.discard(s)
+            ref.pending[s] = []
+        elif op == 5:  # truncate
+            s = live[a % len(live)]
+            n = b % (len(ref.committed[s]) + 1)
+            kv.truncate(s, n)
+            ref.committed[s], ref.pending[s] = ref.committed[s][:n], []
+        else:  # free
+            s = live[a % len(live)]
+            kv.free(s)
+            del ref.committed[s], ref.pending[s]
+        check(kv, ref)
+    for s in list(ref.committed):
+        kv.free(s)
+    assert kv.sequences == [] and kv.stats()["bytes_in_use"] == 0
+    if hasattr(kv, "ref"):
+        assert kv.blocks_in_use == 0 and all(r == 0 for r in kv.ref)
 
 
-def test_discard_releases_every_tentative_slot():
-    kv = make()
-    write(kv, [1, 2])
-    kv.commit()
-    write(kv, [3, 4, 5])
-    kv.discard()
-    assert (kv.length, kv.pending, kv.slots_in_use) == (2, 0, 2)
-    write(kv, [6])
-    kv.commit()
-    assert committed(kv, 2) == [1, 2, 6]
+@pytest.mark.parametrize("option", OPTIONS)
+def test_thousand_random_operations_leak_nothing(option):
+    rng = random.Random(0)
+    ops = [(rng.choice([0, 1, 1, 1, 2, 2, 3, 4, 5, 6]), rng.randrange(100), rng.randrange(100)) for _ in range(1000)]
+    run_ops(make(option), ops, seed=0)
 
 
-def test_draft_on_a_subset_of_layers_then_discard():
-    """A self-spec draft writes only some layers' tentative slots and must leave no trace."""
-    kv = make()
-    write(kv, [1, 2])
-    kv.commit()
-    write(kv, [50, 51], layers=[0])
-    kv.discard()
-    write(kv, [3])
-    kv.commit()
-    for layer in range(L):
-        assert committed(kv, layer) == [1, 2, 3]
+@pytest.mark.parametrize("option", OPTIONS)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 99), st.integers(0, 99)), max_size=40),
+       seed=st.integers(0, 2 ** 16))
+def test_random_operations_match_a_naive_copy(option, ops, seed):
+    run_ops(make(option), ops, seed)
 
 
-def test_truncate():
-    kv = make()
-    write(kv, [1, 2, 3, 4])
-    kv.commit()
-    write(kv, [5])
-    kv.truncate(2)
-    assert (kv.length, kv.pending, kv.slots_in_use) == (2, 0, 2)
-    assert committed(kv) == [1, 2]
-    kv.truncate(2)  # to its own length: a no-op
-    kv.truncate(0)
-    assert kv.length == 0 and kv.slots_in_use == 0
-    write(kv, [7])
-    kv.commit()
-    assert committed(kv) == [7]
+@pytest.mark.parametrize("option", OPTIONS)
+def test_commit_keep_gathers_in_order_and_releases_the_rest(option):
+    kv, ref, gen = make(option), Reference(), torch.Generator().manual_seed(1)
+    s = kv.create()
+    ref.committed[s], ref.pending[s] = [], []
+    step(kv, ref, [s], [3], gen)
+    kv.commit(s)
+    ref.committed[s] += ref.pending[s]
+    ref.pending[s] = []
+    step(kv, ref, [s], [6], gen)
+    kv.commit(s, [0, 2, 5])
+    ref.committed[s] += [ref.pending[s][i] for i in (0, 2, 5)]
+    ref.pending[s] = []
+    check(kv, ref)
+    assert kv.length(s) == 6 and kv.pending(s) == 0
 
 
-@pytest.mark.parametrize("n", [-1, 2, 10])
-def test_truncate_errors(n):
-    kv = make()
-    write(kv, [1])
-    kv.commit()
-    write(kv, [2, 3])  # tentative slots do not count: only the committed prefix can be kept
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("keep", [[1, 0], [0, 0], [-1], [7]])
+def test_bad_keep_is_refused(option, keep):
+    kv, ref = make(option), Reference()
+    s = kv.create()
+    ref.committed[s], ref.pending[s] = [], []
+    step(kv, ref, [s], [3], torch.Generator())
+    with pytest.raises(ValueError, match="keep"):
+        kv.commit(s, keep)
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_truncate_beyond_length_and_dead_sequences_are_refused(option):
+    kv = make(option)
+    s = kv.create()
     with pytest.raises(ValueError, match="truncate"):
-        kv.truncate(n)
+        kv.truncate(s, 1)
+    kv.free(s)
+    with pytest.raises(KeyError):
+        kv.commit(s)
 
 
-def test_fork_is_independent():
-    kv = make()
-    write(kv, [1, 2, 3])
-    kv.commit()
-    other = kv.fork()
-    assert other.length == 3 and other.pending == 0 and other.slots_in_use == 3
-    assert committed(other) == [1, 2, 3]
-    write(other, [40, 41])
-    other.commit([1])
-    write(kv, [50])
-    kv.commit()
-    assert committed(kv) == [1, 2, 3, 50]
-    assert committed(other) == [1, 2, 3, 41]
-    kv.truncate(1)
-    other.free()
-    assert committed(kv) == [1]
-    assert kv.slots_in_use == 1 and other.slots_in_use == 0
+@pytest.mark.parametrize("option", OPTIONS)
+def test_random_tree_steps_through_the_model_match_plain_decoding(option, tiny_backbone):
+    """300 tree steps with random trees and random accepted paths: after each commit the cache holds
+    exactly the keys plain decoding of the accepted tokens would have written."""
+    model, rng = tiny_backbone.model, random.Random(0)
+    kv = make(option, tiny_backbone)
+    seq = kv.create()
+    tokens = [rng.randrange(1000) for _ in range(5)]
+    with torch.inference_mode():
+        forward_rows(model, kv, seq, torch.tensor(tokens[:-1]))
+        kv.commit(seq)
+        for _ in range(300):
+            n = rng.randint(1, 6)
+            parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+            tree = Tree.from_parents([tokens[-1]] + [rng.randrange(1000) for _ in range(n - 1)], parents)
+            forward_rows(model, kv, seq, tree.tokens, tree.depth, tree.mask)
+            assert kv.pending(seq) == n
+            path = tree.path_to(rng.randrange(n))
+            kv.commit(seq, path)
+            tokens += tree.tokens[path[1:]].tolist() + [rng.randrange(1000)]
+            assert kv.pending(seq) == 0 and kv.length(seq) == len(tokens) - 1
+        plain = make(option, tiny_backbone)
+        ref_seq = plain.create()
+        forward_rows(model, plain, ref_seq, torch.tensor(tokens[:-1]))
+        plain.commit(ref_seq)
+        for layer in range(model.args.n_layers):
+            for a, b in zip(kv.gather(seq, layer), plain.gather(ref_seq, layer)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    kv.free(seq)
+    assert kv.stats()["bytes_in_use"] == 0
 
 
-def test_free_and_reallocate():
-    kv = make()
-    write(kv, [1, 2])
-    kv.commit()
-    write(kv, [3])
-    kv.free()
-    assert kv.slots_in_use == 0 and kv.length == 0 and kv.pending == 0
-    kv.allocate(1, 8)
-    assert kv.slots_in_use == 0
-    write(kv, [5])
-    kv.commit()
-    assert committed(kv) == [5]
+def test_paged_forks_share_the_prompt():
+    """Four sequences forked from one 500-token prompt, each then decoding 20 tokens of its own,
+    hold less than 1.3x the bytes of one sequence; the shared partly filled block is copied on write."""
+    bb = SimpleNamespace(model=SimpleNamespace(args=SimpleNamespace(n_layers=30, n_kv_heads=3, head_dim=64),
+                                               dtype=torch.float32))
+    kv = make("paged", bb, ["kv.block_size=16", "kv.num_blocks=64"])
+    root = kv.create()
+    batch = StepBatch.build([root], [torch.zeros(500, dtype=torch.long)], [None], [None], [0])
+    kv.begin_step(batch)
+    kv.end_step(batch)  # the slots exist; their values do not matter here
+    kv.commit(root)
+    one = kv.stats()["bytes_in_use"]
+    forks = [kv.fork(root) for _ in range(3)]
+    for _ in range(20):
+        for s in [root, *forks]:
+            batch = StepBatch.build([s], [torch.zeros(1, dtype=torch.long)], [None], [None], [kv.used(s)])
+            kv.begin_step(batch)
+            kv.end_step(batch)
+            kv.commit(s)
+    stats = kv.stats()
+    single = -(-520 // 16) * 16 * kv.slot_bytes  # one sequence of 520 tokens, alone
+    assert stats["bytes_in_use"] <= 1.3 * single, stats
+    assert stats["cow_copies"] == 3 and stats["shared_blocks"] == 31
+    assert one == 32 * 16 * kv.slot_bytes
+    for s in [root, *forks]:
+        kv.free(s)
+    assert kv.stats()["blocks_in_use"] == 0
 
 
-def test_allocate_resets_a_reused_cache():
-    kv = make()
-    write(kv, [1, 2, 3])
-    kv.commit()
-    write(kv, [4])
-    kv.allocate(1, 16)
-    assert (kv.length, kv.pending, kv.slots_in_use) == (0, 0, 0)
-
-
-def test_batch_slots_and_overflow():
-    kv = make(max_len=8, batch=2)
-    write(kv, [1, 2, 3], batch=2)
-    assert kv.slots_in_use == 2 * 3
-    kv.commit()
-    assert kv.keys_values(0)[0].shape == (2, NKV, 3, HS)
-    with pytest.raises(RuntimeError, match="full"):
-        kv.update(0, torch.zeros(2, NKV, 6, HS), torch.zeros(2, NKV, 6, HS))
-
-
-def test_from_backbone_shapes(tiny_backbone):
-    a = tiny_backbone.model.args
-    kv = ContiguousKV(tiny_backbone, max_len=32)
-    kv.allocate(1, 40)
-    assert len(kv.k) == a.n_layers and kv.k[0].shape == (1, a.n_kv_heads, 40, a.head_dim)
-    assert kv.k[0].dtype == tiny_backbone.model.dtype
-    with pytest.raises(ValueError, match="max_len"):
-        ContiguousKV(tiny_backbone, max_len=0)
-
-
-def random_tree(rng: random.Random, root: int, vocab: int, max_nodes: int) -> Tree:
-    n = rng.randint(1, max_nodes)
-    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
-    tokens = [root] + [rng.randrange(vocab) for _ in range(1, n)]
-    return Tree.from_parents(tokens, parents)
-
-
-@torch.inference_mode()
-def test_random_tree_steps_leak_nothing_and_match_plain_decoding(tiny_backbone):
-    """300 steps, each writing a random tree of tentative tokens (root = the pending token, as the
-    decoder does) and committing a random root path. Some steps first run a layer-subset draft that
-    is discarded, some are plain one-token steps. After every step nothing tentative survives; at the
-    end every layer's committed keys/values equal a fresh cache fed the committed tokens one by one."""
-    model = tiny_backbone.model
-    vocab = model.args.vocab_size
-    rng = random.Random(1234)
-    kv = ContiguousKV(tiny_backbone, max_len=4096)
-    kv.allocate(1, 4096)
-    prompt = [rng.randrange(vocab) for _ in range(5)]
-    model(torch.tensor([prompt]), torch.arange(len(prompt))[None], kv)
-    kv.commit()
-    tokens = list(prompt)  # committed tokens: their keys/values are in the cache
-    root = rng.randrange(vocab)  # pending: chosen, not yet in the cache
-    for step in range(300):
-        P = kv.length
-        if rng.random() < 0.2:  # a draft pass over a subset of layers, thrown away
-            model(torch.tensor([[root]]), torch.tensor([[P]]), kv, layers=[0])
-            kv.discard()
-            assert kv.used == P
-        if rng.random() < 0.1:  # a plain step
-            model(torch.tensor([[root]]), torch.tensor([[P]]), kv)
-            kv.commit()
-            tokens.append(root)
-        else:
-            tree = random_tree(rng, root, vocab, max_nodes=12)
-            model(tree.tokens[None], tree.positions(P), kv, tree.attention_mask(P))
-            assert kv.pending == tree.size
-            path = tree.path_to(rng.randrange(tree.size))
-            kv.commit(path)
-            tokens += tree.tokens[path].tolist()
-        root = rng.randrange(vocab)
-        assert kv.pending == 0, f"step {step}: {kv.pending} tentative slots leaked"
-        assert kv.slots_in_use == kv.length == len(tokens), f"step {step}"
-
-    ref = ContiguousKV(tiny_backbone, max_len=4096)
-    ref.allocate(1, 4096)
-    for i, t in enumerate(tokens):
-        model(torch.tensor([[t]]), torch.tensor([[i]]), ref)
-        ref.commit()
-    assert ref.length == kv.length
-    for layer in range(model.args.n_layers):
-        k, v = kv.keys_values(layer)
-        rk, rv = ref.keys_values(layer)
-        torch.testing.assert_close(k, rk, rtol=1e-5, atol=1e-5, msg=f"layer {layer} keys")
-        torch.testing.assert_close(v, rv, rtol=1e-5, atol=1e-5, msg=f"layer {layer} values")
+def test_contiguous_batch_in_consecutive_slots_is_a_view():
+    kv = make("contiguous")
+    seqs = [kv.create() for _ in range(3)]
+    assert kv.batch_order(list(reversed(seqs))) == seqs
+    batch = StepBatch.build(seqs, [torch.zeros(2, dtype=torch.long)] * 3, [None] * 3, [None] * 3, [0, 0, 0])
+    kv.begin_step(batch)
+    K, _ = kv.update(0, torch.zeros(6, NKV, HS), torch.zeros(6, NKV, HS), batch)
+    assert K.data_ptr() == kv.buf[0, 0].data_ptr()  # no copy
+    kv.end_step(batch)

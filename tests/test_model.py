@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from components.kv.contiguous import ContiguousKV
 from components.model.llama import LlamaArgs
 from components.model.load import build, convert_hf_state_dict, from_pretrained
+from pipeline.core import forward_rows
 
 ATOL = 1e-3
 VOCAB = 101
@@ -45,10 +46,10 @@ def ours_from_hf(hf: LlamaForCausalLM):
 
 
 def make_kv(model, max_len=512):
+    """A pool with one sequence; returns (kv, seq)."""
     a = model.args
     kv = ContiguousKV(None, max_len, a.n_layers, a.n_kv_heads, a.head_dim, model.dtype)
-    kv.allocate(1, max_len)
-    return kv
+    return kv, kv.create()
 
 
 @torch.no_grad()
@@ -65,28 +66,28 @@ def prefill_logits(model, tokens):
 @torch.no_grad()
 def stepwise_logits(model, tokens):
     """Feed the tokens one at a time through a ContiguousKV, committing each."""
-    kv = make_kv(model)
+    kv, seq = make_kv(model)
     rows = []
     for i in range(tokens.shape[1]):
-        h = model(tokens[:, i:i + 1], torch.tensor([[i]]), kv)
-        kv.commit()
-        rows.append(model.logits(h)[0, -1])
-    assert kv.length == tokens.shape[1] and kv.pending == 0
+        h = forward_rows(model, kv, seq, tokens[0, i:i + 1])
+        kv.commit(seq)
+        rows.append(model.logits(h)[-1])
+    assert kv.length(seq) == tokens.shape[1] and kv.pending(seq) == 0
     return torch.stack(rows)
 
 
 @torch.no_grad()
 def block_logits(model, tokens, split: int, explicit_mask: bool):
     """Prefill tokens[:split], commit, then the rest as one block after the cache."""
-    kv = make_kv(model)
+    kv, seq = make_kv(model)
     T = tokens.shape[1]
-    h1 = model(tokens[:, :split], torch.arange(split)[None], kv)
-    kv.commit()
+    h1 = forward_rows(model, kv, seq, tokens[0, :split])
+    kv.commit(seq)
     n = T - split
-    mask = torch.ones(n, split + n, dtype=torch.bool).tril_(split)[None, None] if explicit_mask else None
-    h2 = model(tokens[:, split:], torch.arange(split, T)[None], kv, mask)
-    kv.commit()
-    return torch.cat((model.logits(h1)[0], model.logits(h2)[0]))
+    mask = torch.ones(n, n, dtype=torch.bool).tril_() if explicit_mask else None
+    h2 = forward_rows(model, kv, seq, tokens[0, split:], torch.arange(n) if explicit_mask else None, mask)
+    kv.commit(seq)
+    return torch.cat((model.logits(h1), model.logits(h2)))
 
 
 def assert_close(ours, ref, what):
@@ -189,12 +190,12 @@ def test_real_model_matches_transformers(real_backbone, real_hf):
     assert_close(prefill_logits(model, tokens), ref, "real model: prefill")
     assert_close(block_logits(model, tokens, T - 6, explicit_mask=True), ref, "real model: block after cache")
     # the last 8 positions one at a time on top of a cached prefix
-    kv = make_kv(model)
+    kv, seq = make_kv(model)
     with torch.no_grad():
-        model(tokens[:, :T - 8], torch.arange(T - 8)[None], kv)
-        kv.commit()
+        forward_rows(model, kv, seq, tokens[0, :T - 8])
+        kv.commit(seq)
         rows = []
         for i in range(T - 8, T):
-            rows.append(model.logits(model(tokens[:, i:i + 1], torch.tensor([[i]]), kv))[0, -1])
-            kv.commit()
+            rows.append(model.logits(forward_rows(model, kv, seq, tokens[0, i:i + 1]))[-1])
+            kv.commit(seq)
     assert_close(torch.stack(rows), ref[T - 8:], "real model: stepwise decode")
