@@ -13,7 +13,7 @@ from components.kv.contiguous import ContiguousKV
 from components.model.llama import attention as our_attention
 from components.model.load import tiny
 from components.verifier.greedy import GreedyVerifier
-from pipeline.tree import StaticTree, Tree
+from pipeline.core import StaticTree, Target, Tree, forward_rows
 
 # ---------------------------------------------------------------------------------------------
 # (a) the seed experiment: packed attention with an ancestry mask == per-branch reference
@@ -148,12 +148,12 @@ def branch_logits(model, seq: list[int]) -> torch.Tensor:
 @torch.inference_mode()
 def tree_logits(model, prefix: list[int], tree: Tree) -> torch.Tensor:
     kv = ContiguousKV(None, 512, model.args.n_layers, model.args.n_kv_heads, model.args.head_dim, model.dtype)
-    kv.allocate(1, 512)
-    model(torch.tensor([prefix]), torch.arange(len(prefix))[None], kv)
-    kv.commit()
-    P = kv.length
-    h = model(tree.tokens[None], tree.positions(P), kv, tree.attention_mask(P))[0]  # (N, dim)
-    assert kv.length == P and kv.pending == tree.size
+    seq = kv.create()
+    forward_rows(model, kv, seq, torch.tensor(prefix))
+    kv.commit(seq)
+    P = kv.length(seq)
+    h = forward_rows(model, kv, seq, tree.tokens, tree.depth, tree.mask)  # (N, dim)
+    assert kv.length(seq) == P and kv.pending(seq) == tree.size
     return model.logits(h)  # (N, V)
 
 
@@ -215,7 +215,7 @@ def test_toy_verifier_case(tiny_backbone):
         logits[node[path]] = torch.randn(V)
         logits[node[path], tok] = 50.0
 
-    acc = GreedyVerifier().verify(tree, logits)
+    acc = GreedyVerifier().verify(tree, Target(logits))
     assert acc.draft_tokens == [4, 7] and acc.accept_length == 2
     assert acc.bonus_token == 3
     assert acc.path == [0, node[(4,)], node[(4, 7)]]
@@ -223,25 +223,25 @@ def test_toy_verifier_case(tiny_backbone):
 
     model = tiny_backbone.model
     kv = ContiguousKV(tiny_backbone, max_len=64)
-    kv.allocate(1, 64)
+    seq = kv.create()
     with torch.inference_mode():
-        model(torch.tensor([[10]]), torch.tensor([[0]]), kv)
-        kv.commit()
-        P = kv.length
-        model(tree.tokens[None], tree.positions(P), kv, tree.attention_mask(P))
-        assert kv.pending == tree.size
-        kv.commit(acc.path)
+        forward_rows(model, kv, seq, torch.tensor([10]))
+        kv.commit(seq)
+        forward_rows(model, kv, seq, tree.tokens, tree.depth, tree.mask)
+        assert kv.pending(seq) == tree.size
+        kv.commit(seq, acc.path)
         released = tree.size - len(acc.path)
         assert released == 6
-        assert kv.length == 4 and kv.pending == 0 and kv.slots_in_use == 4
+        assert kv.length(seq) == 4 and kv.pending(seq) == 0
         # the committed slots are exactly those of plain decoding of [10, 11, 4, 7]
         ref = ContiguousKV(tiny_backbone, max_len=64)
-        ref.allocate(1, 64)
-        for i, t in enumerate([10, 11, 4, 7]):
-            model(torch.tensor([[t]]), torch.tensor([[i]]), ref)
-            ref.commit()
+        rseq = ref.create()
+        for t in [10, 11, 4, 7]:
+            forward_rows(model, ref, rseq, torch.tensor([t]))
+            ref.commit(rseq)
         for layer in range(model.args.n_layers):
-            torch.testing.assert_close(kv.keys_values(layer), ref.keys_values(layer), rtol=1e-5, atol=1e-5)
+            for a, b in zip(kv.gather(seq, layer), ref.gather(rseq, layer)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_verifier_rejects_everything_and_takes_the_deepest_path():
@@ -249,18 +249,18 @@ def test_verifier_rejects_everything_and_takes_the_deepest_path():
     V = 8
     none = torch.zeros(tree.size, V)
     none[:, 7] = 1.0  # the target always wants 7
-    acc = GreedyVerifier().verify(tree, none)
+    acc = GreedyVerifier().verify(tree, Target(none))
     assert acc.path == [0] and acc.draft_tokens == [] and acc.bonus_token == 7 and acc.accept_length == 0
 
     full = torch.zeros(tree.size, V)
     full[0, 2] = full[1, 3] = full[2, 5] = full[3, 6] = 1.0
-    acc = GreedyVerifier().verify(tree, full)
+    acc = GreedyVerifier().verify(tree, Target(full))
     assert acc.draft_tokens == [2, 3] and acc.bonus_token == 5
 
     # a child whose parent was rejected is never accepted, even if it matches
     orphan = torch.zeros(tree.size, V)
     orphan[0, 4] = orphan[1, 3] = orphan[3, 0] = 1.0
-    acc = GreedyVerifier().verify(tree, orphan)
+    acc = GreedyVerifier().verify(tree, Target(orphan))
     assert acc.draft_tokens == [4] and acc.bonus_token == 0
 
 
