@@ -73,7 +73,9 @@ class Tree:
             return self
         q = None if self.q is None else self.q[keep]
         state = None if self.state is None else [self.state[i] for i in keep.tolist()]
-        tree = Tree.from_parents(self.tokens[keep].tolist(), self.parents[keep].tolist())
+        new = {old: i for i, old in enumerate(keep.tolist())}
+        parents = [-1] + [new[p] for p in self.parents[keep[1:]].tolist()]
+        tree = Tree.from_parents(self.tokens[keep].tolist(), parents)
         tree.q, tree.state = q, state
         return tree
 
