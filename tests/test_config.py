@@ -11,8 +11,8 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 import pipeline.cli
-from pipeline.build import build_decoder, component
-from pipeline.decoder import Decoder
+from pipeline.build import build_engine, component
+from pipeline.core import Engine
 
 from conftest import compose_config
 
@@ -90,8 +90,8 @@ def with_tiny_context(cfg, heads_ckpt):
 def instantiate_option(group, option, cfg, backbone, heads_ckpt, tmp_path):
     if group == "decode":  # a global preset: it picks the components, the decoder assembles them
         assert cfg.name == option, f"conf/decode/{option}.yaml must set name: {option} (results.json's decode)"
-        decoder, _ = build_decoder(with_tiny_context(cfg, heads_ckpt), backbone)
-        assert isinstance(decoder, Decoder)
+        decoder, _ = build_engine(with_tiny_context(cfg, heads_ckpt), backbone)
+        assert isinstance(decoder, Engine)
         if decoder.proposer is not None:  # a speculative preset must be runnable as configured
             assert decoder.verifier is not None and decoder.sampler.greedy
         return decoder
@@ -135,20 +135,20 @@ def test_every_option_composes_and_instantiates(group, option, tiny_backbone, ti
 def test_null_proposer_means_plain_decoding(tiny_backbone):
     cfg = compose_config(["model=tiny"])
     assert cfg.get("proposer") is None and cfg.get("verifier") is None
-    decoder, _ = build_decoder(cfg, tiny_backbone)
+    decoder, _ = build_engine(cfg, tiny_backbone)
     assert decoder.proposer is None and decoder.sampler.greedy
 
 
 def test_component_overrides_compose_with_presets(tiny_backbone):
     """Any group override composes with any preset, and tree knobs reach the proposer."""
     cfg = compose_config(["model=tiny", "decode=tree_ngram", "tree.width=3", "tree.depth=5", "tree.max_nodes=7",
-                          "kv=contiguous", "kv.max_len=512"])
-    decoder, _ = build_decoder(cfg, tiny_backbone)
+                          "kv=contiguous", "kv.max_len=256", "batch_size=4"])
+    decoder, _ = build_engine(cfg, tiny_backbone)
     p = decoder.proposer
     assert (p.width, p.depth, p.max_nodes) == (3, 5, 7)
-    assert decoder.kv.default_len == 512
+    assert decoder.kv.capacity == 256 and decoder.batch_size == 4
     cfg = compose_config(["model=tiny", "decode=self_spec", "tree.depth=2", "proposer.layers=[1]"])
-    decoder, _ = build_decoder(cfg, tiny_backbone)
+    decoder, _ = build_engine(cfg, tiny_backbone)
     assert decoder.proposer.depth == 2 and decoder.proposer.layers == [1]
 
 

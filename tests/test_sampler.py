@@ -37,7 +37,7 @@ def test_processors_do_not_mutate_their_input():
     scores = torch.randn(4, 30)
     before = scores.clone()
     for proc in (Temperature(0.5), TopK(5), TopP(0.6)):
-        proc(scores)
+        proc(None, scores)
         assert torch.equal(scores, before), type(proc).__name__
 
 
@@ -45,7 +45,7 @@ def test_processors_do_not_mutate_their_input():
 def test_top_k_keeps_exactly_the_k_best(k):
     g = torch.Generator().manual_seed(k)
     scores = torch.randn(6, 30, generator=g)  # distinct values almost surely
-    out = TopK(k)(scores)
+    out = TopK(k)(None, scores)
     kept = torch.isfinite(out)
     assert (kept.sum(-1) == min(k, 30)).all()
     best = scores.topk(min(k, 30), dim=-1).indices
@@ -75,7 +75,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p(p):
         cum = probs.sort(descending=True).values.cumsum(-1)
         if (cum - p).abs().min() < 1e-6:
             continue  # too close to the boundary to be a fair float test
-        out = TopP(p)(scores[None].float())[0]
+        out = TopP(p)(None, scores[None].float())[0]
         kept = set(torch.isfinite(out).nonzero().flatten().tolist())
         assert kept == smallest_nucleus(probs, p)
         checked += 1
@@ -85,7 +85,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p(p):
 def test_top_p_hand_case_and_never_empty():
     probs = torch.tensor([0.05, 0.5, 0.3, 0.15])
     scores = probs.log()[None]
-    kept = lambda p: set(torch.isfinite(TopP(p)(scores)[0]).nonzero().flatten().tolist())
+    kept = lambda p: set(torch.isfinite(TopP(p)(None, scores)[0]).nonzero().flatten().tolist())
     assert kept(0.45) == {1}
     assert kept(0.7) == {1, 2}
     assert kept(0.9) == {1, 2, 3}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.core import Sampler as SamplerBase
-from pipeline.core import Target
+from pipeline.core import Target, TargetStage
 
 
 class Temperature:
@@ -90,6 +90,14 @@ class Sampler(SamplerBase):
     @property
     def greedy(self) -> bool:
         return not self.do_sample
+
+    def probs(self, scores: torch.Tensor) -> torch.Tensor:
+        """(R, V) raw scores -> the processed distribution (no per-row context)."""
+        return TargetStage(self.processors)(scores).probs
+
+    def __call__(self, scores: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """(R, V) raw scores -> (R,) tokens, every row drawn with `generator`."""
+        return torch.tensor(self.choose(TargetStage(self.processors)(scores), [generator] * scores.shape[0]))
 
     def choose(self, p: Target, generators) -> list[int]:
         if not self.do_sample:
