@@ -69,16 +69,20 @@ def test_loss_is_weighted_cross_entropy_over_valid_targets(tiny_backbone):
 
 
 def test_batched_generation_matches_plain_greedy(tiny_backbone):
-    from components.kv.contiguous import ContiguousKV
-    from components.sampler.logits import Sampler
-    from pipeline.decoder import Decoder
-    tok = tiny_backbone.tokenizer
-    prompts = [tok.encode(t) for t in ["a b c", "the quick brown fox jumps", "hello"]]
-    out = generate_batch(tiny_backbone, prompts, 10)
-    dec = Decoder(tiny_backbone.model, ContiguousKV(tiny_backbone), Sampler(False), tiny_backbone.eos_ids, 10)
+    """The data job's generator (the core engine, continuous batching) gives the cache-free greedy
+    answer of every prompt, and the hidden state that predicted each of its tokens."""
+    tok, model = tiny_backbone.tokenizer, tiny_backbone.model
+    prompts = [tok.encode(t) for t in ["a b c", "the quick brown fox jumps", "hello", "one two"]]
+    out = generate_batch(tiny_backbone, prompts, 10, batch_size=3)
     for p, (toks, hidden) in zip(prompts, out):
-        assert dec.generate(p).token_ids == toks
-        assert hidden.shape == (len(toks), tiny_backbone.model.args.dim)
+        seq = list(p)
+        with torch.inference_mode():
+            for t in toks:
+                h = model(torch.tensor([seq]), torch.arange(len(seq))[None])[0, -1]
+                assert int(model.logits(h).argmax()) == t
+                seq.append(t)
+            ref = model(torch.tensor([seq[:-1]]), torch.arange(len(seq) - 1)[None])[0, len(p) - 1:]
+        torch.testing.assert_close(hidden.float(), ref.to(torch.bfloat16).float())
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +165,7 @@ def test_tree_search_writes_a_valid_tree(trained, tmp_path):
     result, _ = search(cfg)
     tree = json.loads((tmp_path / "tree.json").read_text())
     assert tree["choices"] == result["choices"] and 1 <= len(tree["choices"]) <= 6
-    from pipeline.tree import StaticTree
+    from pipeline.core import StaticTree
     StaticTree.from_choices(tree["choices"])  # every path's parent is in the tree
     rows = tree["table"]
     assert all(b["expected_accept_length"] >= a["expected_accept_length"] for a, b in zip(rows, rows[1:]))
@@ -196,7 +200,7 @@ def test_ddp_two_processes_on_cpu(tmp_path):
 
 
 def test_dynamic_tree_is_best_first():
-    from pipeline.tree import dynamic_tree
+    from pipeline.core import dynamic_tree
     ids = torch.tensor([[10, 11], [20, 21], [30, 31]])
     logp = torch.log(torch.tensor([[0.6, 0.3], [0.9, 0.05], [0.5, 0.4]]))
     tree = dynamic_tree(7, ids, logp, width=2, max_nodes=4)
