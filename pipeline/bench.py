@@ -1,15 +1,17 @@
-"""python -m pipeline.bench decodes=[greedy,tree_ngram] [input=...] [max_new_tokens=N] [repeats=R]
+"""python -m pipeline.bench decodes=[greedy,tree_ngram] [input=...] [max_new_tokens=N] [repeats=R] [batch_size=B]
 
-Every listed pipeline runs in this process on the same tokenized requests: a warm-up on the first
-request, then `repeats` rounds, each running every pipeline over the whole set in the listed order
-(A B A B ...), so a drift in machine speed hits all of them alike. The first listed is the baseline.
-Each entry is composed like `python -m pipeline decode=<name> <common> <entry overrides>`, where the
-common overrides are the ones given to the bench itself; one backbone is loaded per distinct model
-config and shared. Writes bench.json into the run directory and prints a Markdown table.
+Every listed pipeline runs in this process on the same tokenized requests: a warm-up on its first
+batch of requests, then `repeats` rounds, each running every pipeline over the whole set in the
+listed order (A B A B ...), so a drift in machine speed hits all of them alike. The first listed is
+the baseline. Each entry is composed like `python -m pipeline decode=<name> <common> <entry
+overrides>`, where the common overrides are the ones given to the bench itself; one backbone is
+loaded per distinct model config and shared. Every runner (our Engine, or a Hugging Face peer) gets
+a whole round at once, `runner.run(prompts, seeds)`, so `batch_size=B` batches every pipeline, the
+peers included; request k samples with seed + k. Writes bench.json into the run directory and prints
+a Markdown table.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import platform
 import shlex
@@ -25,9 +27,9 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from pipeline.build import build_decoder, component, model_key
-from pipeline.cli import CONF_DIR, check_overrides, groups
-from pipeline.decode import first_divergence, run_requests, summarize
+from pipeline.build import build_engine, component, model_key, positive_int
+from pipeline.cli import CONF_DIR, check_overrides, compose_config, groups
+from pipeline.decode import first_divergence, gen_fields, run_requests, summarize
 from pipeline.errors import UserError, one_line_errors
 from pipeline.hf_peer import GENERATE_KNOBS, PEERS, HFPeer, to_hf
 from pipeline.io import run_dir, write_json
@@ -48,9 +50,11 @@ class Entry:
 @dataclass
 class Pipeline:
     entry: Entry
-    runner: object  # a Decoder or an HFPeer: `.seed`, `.generate(prompt_ids, on_tokens, seed)`
+    runner: object  # an Engine or an HFPeer: `.run(prompts, seeds) -> list[Generation]`
     backbone: object
     prompts: list[list[int]]
+    seeds: list[int]  # request k: the pipeline's seed + k
+    batch_size: int
     walls: list[float] = field(default_factory=list)  # seconds per round
     tokens: list[int] = field(default_factory=list)  # new tokens per round
     gens: list = field(default_factory=list)  # the last round's Generations
@@ -88,18 +92,6 @@ def common_overrides(cfg: DictConfig, given: list[str]) -> list[str]:
     return [*passed, f"max_new_tokens={cfg.max_new_tokens}", "stream=false"]
 
 
-@contextlib.contextmanager
-def _conf_dir():
-    """`hydra.compose` needs an initialized GlobalHydra: the bench app's own (it searches the same
-    conf/) under `python -m pipeline.bench`, or a temporary one when called from Python."""
-    from hydra.core.global_hydra import GlobalHydra
-    if GlobalHydra.instance().is_initialized():
-        yield
-    else:
-        with hydra.initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-            yield
-
-
 def compose(entry: Entry, common: list[str]) -> DictConfig:
     """The decode config of one entry; a peer composes decode=greedy (model, max_new_tokens, seed)
     and keeps its `generate` knobs out of it."""
@@ -107,8 +99,7 @@ def compose(entry: Entry, common: list[str]) -> DictConfig:
     own = [o for o in entry.overrides if not (peer and _key(o) in GENERATE_KNOBS)]
     overrides = [f"decode={'greedy' if peer else entry.name}", *common, *own]
     try:
-        with _conf_dir():
-            return hydra.compose(config_name="config", overrides=overrides)
+        return compose_config(overrides)
     except (HydraException, OmegaConfBaseException) as e:
         raise UserError(f"decodes entry {entry.label!r}: {e}") from e
 
@@ -134,11 +125,11 @@ def bench(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[dict, di
         raise UserError("the bench does not apply per-request constraints (json_schema/regex/grammar): "
                         "remove them from the input lines")
     pipes, backbones = build_pipelines(entries, common_overrides(cfg, given), reqs)
-    for p in pipes:  # warm-up: first-call allocations and lazy initialisation stay out of the timing
-        p.runner.generate(p.prompts[0], seed=p.runner.seed)
+    for p in pipes:  # warm-up on one batch: first-call allocations, pool growth, lazy initialisation
+        p.runner.run(p.prompts[:p.batch_size], p.seeds[:p.batch_size])  # stay out of the timing
     for r in range(repeats):
         for p in pipes:
-            gens, wall = run_requests(p.runner, p.prompts)
+            gens, wall = run_requests(p.runner, p.prompts, p.seeds)
             p.walls.append(wall)
             p.tokens.append(sum(len(g.token_ids) for g in gens))
             p.gens = gens
@@ -171,9 +162,10 @@ def build_pipelines(entries: list[Entry], common: list[str], reqs) -> tuple[list
                 hf_models[key] = to_hf(bb)
             knobs = {**PEERS[e.name], **{_key(o): yaml.safe_load(o.split("=", 1)[1])
                                          for o in e.overrides if _key(o) in GENERATE_KNOBS}}
-            runner = HFPeer(hf_models[key], bb.eos_ids, pcfg.max_new_tokens, seed=int(pcfg.seed), **knobs)
+            runner = HFPeer(hf_models[key], bb.eos_ids, positive_int(pcfg, "max_new_tokens"), seed=int(pcfg.seed),
+                            batch_size=positive_int(pcfg, "batch_size"), **knobs)
         else:
-            runner, _ = build_decoder(pcfg, bb)
+            runner, _ = build_engine(pcfg, bb)
         tkey = (key, bool(pcfg.chat), pcfg.get("system_prompt"))
         if tkey not in encoded:
             encoded[tkey] = [encode(bb.tokenizer, r, bool(pcfg.chat), pcfg.get("system_prompt")) for r in reqs]
@@ -182,12 +174,14 @@ def build_pipelines(entries: list[Entry], common: list[str], reqs) -> tuple[list
                 if len(ids) >= limit:
                     raise UserError(f"request {r.id}: prompt is {len(ids)} tokens, the model's context is "
                                     f"{limit}: shorten it")
-        pipes.append(Pipeline(e, runner, bb, encoded[tkey]))
+        seeds = [int(pcfg.seed) + k for k in range(len(reqs))]
+        pipes.append(Pipeline(e, runner, bb, encoded[tkey], seeds, positive_int(pcfg, "batch_size")))
     return pipes, list(backbones.values())
 
 
 def pipeline_report(p: Pipeline, base: Pipeline, reqs) -> dict:
-    s = summarize(p.gens, p.walls[-1])  # steps, accepted length, acceptance by depth, step latency
+    # steps, accepted length, acceptance by depth, step latency
+    s = summarize([gen_fields(g) for g in p.gens], p.walls[-1])
     tps = statistics.median(n / w for n, w in zip(p.tokens, p.walls))
     base_tps = statistics.median(n / w for n, w in zip(base.tokens, base.walls))
     per_request = []
@@ -197,25 +191,29 @@ def pipeline_report(p: Pipeline, base: Pipeline, reqs) -> dict:
                             "first_divergence": d, "finish_reason": g.finish_reason})
     steps_ms = [ms for g in p.gens for ms in g.step_ms]
     rnd = lambda x, n=3: None if x is None else round(x, n)  # noqa: E731
-    return {"tokens_per_s": round(tps, 2), "wall_s": [round(w, 4) for w in p.walls],
-            "new_tokens": s["new_tokens"], "steps": s["steps"],
-            "mean_accepted_length": rnd(s["mean_accepted_length"]),
-            "speedup": round(tps / base_tps, 3) if base_tps > 0 else None,
-            "identical_to_baseline": all(x["identical"] for x in per_request),
-            "model": p.backbone.name, "dtype": str(p.backbone.model.dtype).removeprefix("torch."),
-            "mean_step_ms": rnd(statistics.mean(steps_ms) if steps_ms else None),
-            "tree_step_ms": rnd(s["tree_step_ms"]), "plain_step_ms": rnd(s["plain_step_ms"]),
-            "acceptance_by_depth": {d: round(v, 3) for d, v in s["acceptance_by_depth"].items()},
-            "per_request": per_request}
+    report = {"tokens_per_s": round(tps, 2), "wall_s": [round(w, 4) for w in p.walls],
+              "new_tokens": s["new_tokens"], "steps": s["steps"],
+              "mean_accepted_length": rnd(s["mean_accepted_length"]),
+              "speedup": round(tps / base_tps, 3) if base_tps > 0 else None,
+              "identical_to_baseline": all(x["identical"] for x in per_request),
+              "batch_size": p.batch_size,
+              "model": p.backbone.name, "dtype": str(p.backbone.model.dtype).removeprefix("torch."),
+              "mean_step_ms": rnd(statistics.mean(steps_ms) if steps_ms else None),
+              "tree_step_ms": rnd(s["tree_step_ms"]), "plain_step_ms": rnd(s["plain_step_ms"]),
+              "acceptance_by_depth": {d: round(v, 3) for d, v in s["acceptance_by_depth"].items()}}
+    kv = getattr(p.runner, "kv", None)  # our engines: the KV pool's memory, peak over warm-up and rounds
+    if kv is not None:
+        report["kv"] = kv.stats()
+    return {**report, "per_request": per_request}
 
 
 def markdown_table(result: dict) -> str:
-    rows = ["| pipeline | tokens/s | speedup | mean accepted length | identical |",
-            "|---|---:|---:|---:|:---:|"]
+    rows = ["| pipeline | batch | tokens/s | speedup | mean accepted length | identical |",
+            "|---|---:|---:|---:|---:|:---:|"]
     for label, p in result["pipelines"].items():
         mal = "-" if p["mean_accepted_length"] is None else f"{p['mean_accepted_length']:.2f}"
         speed = "-" if p["speedup"] is None else f"{p['speedup']:.2f}"
-        rows.append(f"| {label} | {p['tokens_per_s']:.1f} | {speed} | {mal} | "
+        rows.append(f"| {label} | {p.get('batch_size', '-')} | {p['tokens_per_s']:.1f} | {speed} | {mal} | "
                     f"{'yes' if p['identical_to_baseline'] else 'no'} |")
     return "\n".join(rows)
 

@@ -204,7 +204,9 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
         summary.update(verify_lossless(engine, backbone, cfg, reqs, items))
     results = {"decode": preset_name(cfg), "config": OmegaConf.to_container(cfg, resolve=True),
                "summary": summary, "items": items}
-    path = write_json(out / "results.json", results)
+    path = out / "results.json"
+    if fresh or not interrupted:  # an interrupted run that finished nothing leaves what is there alone
+        write_json(path, results)
     if interrupted:
         raise Interrupted(f"interrupted: {len(items)} of {len(reqs)} requests finished, kept in {items_path}; "
                           f"rerun with hydra.run.dir={out} to resume")

@@ -2,10 +2,11 @@
 decoder a user would otherwise pick. The HF model is rebuilt from our Backbone (no files are read
 again) with the inverse of `convert_hf_state_dict`, in the same dtype.
 
-A peer has the Decoder's calling convention (`seed`, `generate(prompt_ids, on_tokens, seed) ->
-Generation`), so the benchmark times it with the same loop and reports the same fields. Forward
-hooks record what transformers does not return: one entry per target forward (its input length
-and wall time), from which the committed tokens per forward follow.
+A peer has the Engine's calling convention (`run(prompts, seeds) -> list[Generation]`, and
+`generate(prompt_ids, on_tokens, seed)` for one), so the benchmark times it with the same loop and
+reports the same fields. `batch_size` prompts go to one batched `generate` call, left-padded, in
+input order. Forward hooks record what transformers does not return: one entry per target forward
+(its input length and wall time), from which the committed tokens per forward follow.
 """
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ import time
 import torch
 
 from components.model.llama import LlamaArgs
-from pipeline.decoder import Generation
-from pipeline.errors import UserError
+from pipeline.core import Generation, UserError
 
 # peer name -> its `generate` knobs unless the bench entry overrides them
 PEERS: dict[str, dict] = {
@@ -96,58 +96,104 @@ def to_hf(backbone):
 
 
 class HFPeer:
-    """`LlamaForCausalLM.generate` behind the Decoder's interface. Tokens are the generated ones
-    only, ending with the EOS token when it stopped there (HF's padding after EOS is dropped)."""
+    """`LlamaForCausalLM.generate` behind the Engine's interface. Tokens are the generated ones only,
+    ending with the EOS token when it stopped there (HF's padding after EOS is dropped).
 
-    def __init__(self, hf_model, eos_ids: list[int], max_new_tokens: int, seed: int = 0, **generate_kwargs):
+    Prompts run in groups of `batch_size`, in input order, one `generate` call per group: LEFT-padded
+    with the pad id (the first EOS id), attention_mask 0 on the pads, as a user batching requests
+    through transformers would. Every request of a group reports the group's wall time and prefill.
+    Left padding changes the shapes of the matmuls, so in float a near-tie may resolve differently
+    from the unpadded batch of one: that is the peer's behaviour, and the bench reports it as is."""
+
+    def __init__(self, hf_model, eos_ids: list[int], max_new_tokens: int, seed: int = 0, batch_size: int = 1,
+                 **generate_kwargs):
         from transformers import GenerationConfig
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise UserError(f"max_new_tokens must be a positive int, got {max_new_tokens}")
+        for name, v in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise UserError(f"{name} must be a positive int, got {v}")
         unknown = set(generate_kwargs) - set(GENERATE_KNOBS)
         if unknown:
             raise UserError(f"unknown peer knob(s) {sorted(unknown)}; known: {', '.join(GENERATE_KNOBS)}")
-        self.model, self.eos_ids, self.seed = hf_model, list(eos_ids), seed
+        self.prompt_lookup = generate_kwargs.get("prompt_lookup_num_tokens") is not None
+        if self.prompt_lookup and batch_size > 1:
+            raise UserError(f"transformers' prompt lookup decodes one request at a time, got batch_size={batch_size}: "
+                            'give that entry batch_size=1, e.g. decodes=[greedy,"hf_prompt_lookup batch_size=1"]')
+        self.model, self.eos_ids, self.seed, self.batch_size = hf_model, list(eos_ids), seed, batch_size
+        self.pad_id = self.eos_ids[0]
         self.num_beams = int(generate_kwargs.get("num_beams", 1))
         self.generation_config = GenerationConfig(
             do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
-            pad_token_id=self.eos_ids[0], bos_token_id=hf_model.config.bos_token_id, **generate_kwargs)
+            pad_token_id=self.pad_id, bos_token_id=hf_model.config.bos_token_id, **generate_kwargs)
         self._trace: list[list] = []  # per forward: [input length, start position, t0, ms]
 
     def _before(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        pos = kwargs.get("position_ids")  # (B, T): the first is the number of cached tokens
+        pos = kwargs.get("position_ids")  # (B, T): the first is the number of cached tokens (batch 1)
         self._trace.append([ids.shape[1], int(pos[0, 0]) if pos is not None else 0, time.perf_counter(), 0.0])
 
     def _after(self, module, args, output):
         self._trace[-1][3] = (time.perf_counter() - self._trace[-1][2]) * 1e3
 
-    @torch.inference_mode()
     def generate(self, prompt_ids: list[int], on_tokens=None, seed: int | None = None) -> Generation:
+        """One request on its own; on_tokens(ids) gets its tokens once it is done."""
+        g = self.run([prompt_ids], [self.seed if seed is None else seed])[0]
+        if on_tokens is not None and g.token_ids:
+            on_tokens(g.token_ids)
+        return g
+
+    @torch.inference_mode()
+    def run(self, prompts: list[list[int]], seeds: list[int] | None = None, on_finish=None) -> list[Generation]:
+        """Every prompt, `batch_size` per `generate` call. `seeds` is accepted for the Engine's
+        interface; greedy, beam search and prompt lookup do not sample. on_finish(i, generation)
+        as each group finishes."""
+        for i, p in enumerate(prompts):
+            if not p:
+                raise UserError(f"request {i} has an empty prompt: give it some text")
+        out: list[Generation] = []
+        for g0 in range(0, len(prompts), self.batch_size):
+            group = [list(p) for p in prompts[g0:g0 + self.batch_size]]
+            out += self._group(group)
+            if on_finish is not None:
+                for i in range(g0, len(out)):
+                    on_finish(i, out[i])
+        return out
+
+    def _group(self, group: list[list[int]]) -> list[Generation]:
+        width = max(map(len, group))
+        ids = torch.full((len(group), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for r, p in enumerate(group):  # left padding: every prompt ends at column width - 1
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
         self._trace = []
         hooks = [self.model.register_forward_pre_hook(self._before, with_kwargs=True),
                  self.model.register_forward_hook(self._after)]  # peers may share one HF model
         try:
             t0 = time.perf_counter()
-            out = self.model.generate(torch.tensor([prompt_ids]), generation_config=self.generation_config,
-                                      attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+            out = self.model.generate(ids, generation_config=self.generation_config, attention_mask=mask)
             wall = time.perf_counter() - t0
         finally:
             for h in hooks:
                 h.remove()
-        ids = out[0, len(prompt_ids):].tolist()
-        stop = next((i for i, t in enumerate(ids) if t in self.eos_ids), None)
-        ids = ids if stop is None else ids[:stop + 1]
-        if on_tokens is not None and ids:
-            on_tokens(ids)
-        return Generation(ids, "eos" if stop is not None else "length", self._accepted(len(prompt_ids), len(ids)),
-                          [ms for *_, ms in self._trace[1:]], [n for n, *_ in self._trace[1:]], [], wall_s=wall,
-                          prefill_ms=self._trace[0][3] if self._trace else 0.0)
+        prefill = self._trace[0][3] if self._trace else 0.0
+        gens = []
+        for r, p in enumerate(group):
+            toks = out[r, width:].tolist()
+            stop = next((i for i, t in enumerate(toks) if t in self.eos_ids), None)
+            toks = toks if stop is None else toks[:stop + 1]
+            if self.prompt_lookup:  # batch 1: the forwards after the prefill are all this request's
+                accepted, steps = self._accepted(len(p), len(toks)), self._trace[1:]
+            else:  # one token per forward: the prefill, then one forward for each later token
+                accepted, steps = [1] * len(toks), self._trace[1:len(toks)]
+            gens.append(Generation(token_ids=toks, finish_reason="eos" if stop is not None else "length",
+                                   accepted_lengths=accepted, step_ms=[ms for *_, ms in steps],
+                                   step_nodes=[n for n, *_ in steps], tree_depths=[], wall_s=wall,
+                                   prefill_ms=prefill))
+        return gens
 
     def _accepted(self, prompt_len: int, new: int) -> list[int]:
-        """Tokens committed per target forward. Each forward after the prefill starts at the newest
-        committed token (its cache holds everything before it), so forward i committed the growth of
-        the cache between forward i and i+1. Beam search extends every beam by one token a step."""
-        if self.num_beams > 1:
-            return [1] * new
+        """Prompt lookup (batch 1): tokens committed per target forward. Each forward after the
+        prefill starts at the newest committed token (its cache holds everything before it), so
+        forward i committed the growth of the cache between forward i and i+1."""
         known = [c + 1 for _, c, *_ in self._trace[1:]] + [prompt_len + new]  # sequence length after each forward
         return [b - a for a, b in zip([prompt_len] + known[:-1], known)]

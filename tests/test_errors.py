@@ -4,6 +4,7 @@ results.json (nor a half-written one) left by the failed run."""
 from __future__ import annotations
 
 import json
+import random
 import signal
 import subprocess
 import time
@@ -11,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 import pipeline.cli
 from conftest import PYTHON, REPO_ROOT, subprocess_env
@@ -41,6 +44,35 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
+# bad input files: id -> (lines, patterns the error must name; {path} = the file)
+INPUT_CASES: dict[str, tuple[list[str], list[str]]] = {
+    "invalid_json_line": (['{"id": "a", "prompt": "hi"}', '{"id": "b", "prompt": '], ["{path}:2", "json"]),
+    "empty_input_file": ([], ["{path}", "no requests"]),
+    "empty_messages": (['{"id": "a", "messages": []}'], ["{path}:1", "messages", "non-empty"]),
+    "message_without_role": (['{"id": "a", "messages": [{"content": "hi"}]}'], ["{path}:1", "role"]),
+    "message_without_content": (['{"id": "a", "messages": [{"role": "user"}]}'], ["{path}:1", "content"]),
+    "unknown_role": (['{"id": "a", "messages": [{"role": "robot", "content": "hi"}]}'], ["robot", "user"]),
+    "empty_prompt_chat_false": (['{"id": "a", "prompt": ""}'], ["{path}:1", "prompt", "empty"]),
+    "non_string_prompt": (['{"id": "a", "prompt": 5}'], ["{path}:1", "prompt", "string"]),
+    "duplicate_ids": (['{"id": "a", "prompt": "hi"}', '{"id": "a", "prompt": "ho"}'], ["{path}:2", "'a'", "unique"]),
+    "prompt_and_messages": (['{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}'], ["both"]),
+    "not_an_object": (['["hi"]'], ["{path}:1", "prompt"]),
+}
+
+
+def tiny_heads(base):
+    """Medusa heads for model=tiny, saved as the training job saves them."""
+    from conftest import compose_config
+    from components.model.load import tiny
+    from pipeline.build import component
+    import torch
+    bb = tiny()
+    cfg = compose_config(["model=tiny"], config_name="train")
+    heads = component(cfg.heads, bb, token_counts=torch.ones(bb.model.args.vocab_size, dtype=torch.long))
+    return heads.save(base / "heads.safetensors", {"vocab_size": bb.model.args.vocab_size,
+                                                   "fingerprint": bb.model.fingerprint(), "backbone": bb.name})
+
+
 @dataclass
 class Run:
     rc: int
@@ -60,10 +92,29 @@ def error_runs(tmp_path_factory):
     """Every case, two processes at a time (most spend seconds importing torch). Validation that
     the unit tests cover in-process (top_k, dtype, proposer + sampling, ...) is not repeated here."""
     base = tmp_path_factory.mktemp("errors")
-    bad_json = base / "bad.jsonl"
-    bad_json.write_text('{"id": "a", "prompt": "hi"}\n{"id": "b", "prompt": \n')
     cases = dict(CASES)
-    cases["invalid_json_line"] = (["model=tiny", f"input={bad_json}"], [f"{bad_json}:2", "json"])
+    for name, (lines, patterns) in INPUT_CASES.items():  # bad input files
+        path = base / f"{name}.jsonl"
+        path.write_text("".join(line + "\n" for line in lines))
+        cases[name] = (["model=tiny", f"input={path}", *(["chat=false"] if name == "empty_prompt_chat_false" else [])],
+                       [p.replace("{path}", str(path)) for p in patterns])
+    heads = tiny_heads(base)
+    tree = base / "tree.json"
+    tree.write_text(json.dumps({"nodes": 3}))
+    noise = base / "noise.safetensors"
+    noise.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(4096)))
+    partial = base / "partial.safetensors"
+    with safe_open(str(heads), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys() if not k.startswith("blocks.0")}
+    save_file(tensors, partial, metadata=meta)
+    medusa = ["model=tiny", "decode=tree_medusa", "prompt=hi"]
+    cases["tree_file_without_choices"] = ([*medusa, f"proposer.checkpoint={heads}", f"proposer.tree_file={tree}"],
+                                          [str(tree), "choices"])
+    cases["heads_random_bytes"] = ([*medusa, f"proposer.checkpoint={noise}"], [str(noise), "safetensors"])
+    cases["heads_missing_tensors"] = ([*medusa, f"proposer.checkpoint={partial}"], [str(partial), "missing", "blocks.0"])
+    cases["missing_heads"] = ([*medusa, "proposer.checkpoint=/nonexistent/heads.safetensors"],
+                              ["/nonexistent/heads.safetensors", "proposer.checkpoint"])
+    cases["batch_size_0"] = (["model=tiny", "batch_size=0", "prompt=hi"], ["batch_size", "0"])
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(run_pipeline, args, base / name) for name, (args, _) in cases.items()}
         return {name: (f.result(), cases[name][1]) for name, f in futures.items()}
@@ -82,7 +133,11 @@ def assert_one_line_error(run: Run, patterns: list[str]):
     assert not list(run.run_dir.glob(".results.json.tmp*")), "a failed run left a temporary results file"
 
 
-@pytest.mark.parametrize("name", list(CASES) + ["invalid_json_line"])
+ALL_CASES = list(CASES) + list(INPUT_CASES) + ["tree_file_without_choices", "heads_random_bytes",
+                                              "heads_missing_tensors", "missing_heads", "batch_size_0"]
+
+
+@pytest.mark.parametrize("name", ALL_CASES)
 def test_bad_input_is_one_line_error(error_runs, name):
     run, patterns = error_runs[name]
     assert_one_line_error(run, patterns)
@@ -123,6 +178,59 @@ def test_successful_run_then_failed_runs_keep_results(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode != 0
-    assert path.read_bytes() == before, "an interrupted run overwrote results.json"
+    assert proc.returncode == 130
+    assert path.read_bytes() == before, "an interrupted run with nothing finished overwrote results.json"
     assert not list(tmp_path.glob(".results.json.tmp*"))
+
+
+def test_interrupted_run_resumes_with_every_request_exactly_once(tmp_path):
+    """SIGTERM part-way through a batched run: finished requests are in items.jsonl and results.json,
+    one line says so; the rerun in the same directory decodes only the rest, leaves the finished
+    lines untouched, and the tokens are those of an uninterrupted run."""
+    inp = tmp_path / "in.jsonl"
+    ids = [f"q{i}" for i in range(6)]
+    inp.write_text("\n".join(json.dumps({"id": i, "prompt": f"Tell story {i}."}) for i in ids) + "\n")
+    run_dir = tmp_path / "run"
+    args = [PYTHON, "-m", "pipeline", "model=tiny", f"input={inp}", "max_new_tokens=1200", "batch_size=2",
+            "stream=false", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(args, cwd=REPO_ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    items = run_dir / "items.jsonl"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and (not items.is_file() or len(items.read_text().splitlines()) < 2):
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("interrupted:") and str(run_dir) in lines[0], err
+    before = items.read_text().splitlines()
+    assert 2 <= len(before) < 6, "the run was not interrupted part-way: lengthen the requests"
+    partial = json.loads((run_dir / "results.json").read_text())
+    assert partial["summary"]["interrupted"] and len(partial["items"]) == len(before)
+
+    again = subprocess.run(args, cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "resuming" in again.stderr
+    after = items.read_text().splitlines()
+    assert after[:len(before)] == before, "finished items were rewritten"
+    assert sorted(json.loads(x)["id"] for x in after) == ids, "a request ran twice or not at all"
+    final = json.loads((run_dir / "results.json").read_text())
+    assert [it["id"] for it in final["items"]] == ids and not final["summary"]["interrupted"]
+
+    fresh = subprocess.run([*args[:-1], f"hydra.run.dir={tmp_path / 'fresh'}"], cwd=REPO_ROOT, env=subprocess_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert fresh.returncode == 0, fresh.stderr
+    ref = json.loads((tmp_path / "fresh" / "results.json").read_text())
+    assert [it["token_ids"] for it in final["items"]] == [it["token_ids"] for it in ref["items"]]
+
+
+def test_a_prompt_typed_with_commas_works(tmp_path):
+    run = run_pipeline(["model=tiny", "max_new_tokens=3", "chat=false", "prompt=Hi, who are you? It's ${me}"], tmp_path)
+    assert run.rc == 0, run.stderr
+    assert json.loads((tmp_path / "results.json").read_text())["items"][0]["prompt"] == "Hi, who are you? It's ${me}"

@@ -38,7 +38,11 @@ class MedusaProposer(Proposer):
         if choices is None and tree_file not in (None, "auto"):
             if not Path(tree_file).is_file():
                 raise UserError(f"tree file {tree_file} does not exist: run `python -m pipeline.tree_search` or set tree.choices")
-            choices = json.loads(Path(tree_file).read_text())["choices"]
+            try:
+                choices = json.loads(Path(tree_file).read_text())["choices"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise UserError(f"tree file {tree_file} is not a tree: it needs a JSON object with \"choices\" "
+                                "(write one with `python -m pipeline.tree_search`)") from None
         if choices is not None:
             self.tree = StaticTree.from_choices(choices)
         else:
