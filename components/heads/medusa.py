@@ -75,18 +75,20 @@ class MedusaHeads(nn.Module):
     @torch.inference_mode()
     def topk(self, h: torch.Tensor, k: int, with_logprobs: bool = False):
         """One decode step: h (dim,) -> (K, k) backbone token ids, best first per head (and their
-        log-probabilities over the draft vocabulary with `with_logprobs`)."""
-        f = self.features(h[None])[:, 0]  # (K, dim)
+        log-probabilities over the draft vocabulary with `with_logprobs`); h (B, dim) -> (B, K, k)."""
+        f = self.features(h.reshape(-1, h.shape[-1]))  # (K, B, dim)
         if self.proj is None:
             if self._infer_w is None:  # [in, out] layout reads faster for a few rows
                 self._infer_w = self.shared_weight.t().contiguous()
-            logits = f @ self._infer_w  # (K, V')
+            logits = f @ self._infer_w  # (K, B, V')
         else:
-            logits = torch.einsum("kd,kvd->kv", f, self.proj)
+            logits = torch.einsum("kbd,kvd->kbv", f, self.proj)
         top = logits.topk(k, dim=-1)
-        if with_logprobs:
-            return self.vocab_ids[top.indices], top.values - logits.logsumexp(-1, keepdim=True)
-        return self.vocab_ids[top.indices]
+        ids = self.vocab_ids[top.indices].transpose(0, 1)  # (B, K, k)
+        logp = (top.values - logits.logsumexp(-1, keepdim=True)).transpose(0, 1)
+        if h.dim() == 1:
+            ids, logp = ids[0], logp[0]
+        return (ids, logp) if with_logprobs else ids
 
     # --- checkpoints: safetensors only, never pickle -------------------------------------------
     def save(self, path: str | Path, meta: dict) -> Path:

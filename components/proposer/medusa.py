@@ -53,12 +53,21 @@ class MedusaProposer(Proposer):
 
         self.width, self.max_nodes = width, max_nodes
 
-    @torch.inference_mode()
     def propose(self, state: DecodeState) -> Tree | None:
-        depth = min(self.tree.depth, state.budget - 1)  # no draft past max_new_tokens / the context end
-        if self.dynamic:
-            ids, logp = self.heads.topk(state.hidden.float(), self.width, with_logprobs=True)
-            return dynamic_tree(state.tokens[-1], ids[:depth], logp[:depth], self.width, self.max_nodes)
-        topk = self.heads.topk(state.hidden.float(), self.tree.max_rank)  # (K, k): head k drafts depth k
-        tree = self.tree.fill(state.tokens[-1], topk[:self.tree.depth])
-        return tree if depth == self.tree.depth else tree.prune(depth, tree.size)
+        return self.propose_all([state])[0]
+
+    @torch.inference_mode()
+    def propose_all(self, states: list[DecodeState]) -> list[Tree | None]:
+        """Every live sequence's heads in one call: h (B, dim) -> (B, K, k) candidates."""
+        hidden = torch.stack([s.hidden for s in states]).float()  # (B, dim)
+        k = self.width if self.dynamic else self.tree.max_rank
+        ids, logp = self.heads.topk(hidden, k, with_logprobs=True)  # (B, K, k): head k drafts depth k
+        trees = []
+        for s, ids_b, logp_b in zip(states, ids, logp):
+            depth = min(self.tree.depth, s.budget - 1)  # no draft past max_new_tokens / the context end
+            if self.dynamic:
+                trees.append(dynamic_tree(s.tokens[-1], ids_b[:depth], logp_b[:depth], self.width, self.max_nodes))
+            else:
+                tree = self.tree.fill(s.tokens[-1], ids_b[:self.tree.depth])
+                trees.append(tree if depth == self.tree.depth else tree.prune(depth, tree.size))
+        return trees

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.core import DecodeState, Proposer, Tree, forward_rows
+from pipeline.core import DecodeState, Proposer, StepBatch, Tree
 
 
 def parse_layers(spec, n_layers: int) -> list[int]:
@@ -37,23 +37,41 @@ class SelfSpecProposer(Proposer):
         self.layers = parse_layers(layers, self.model.args.n_layers)
         self.depth, self.width, self.min_prob = depth, width, min_prob
 
-    @torch.inference_mode()
     def propose(self, state: DecodeState) -> Tree | None:
-        kv, model = state.kv, self.model
-        tok, tokens, parents = state.tokens[-1], [state.tokens[-1]], [-1]
-        chain = 0  # packed index of the newest chain node
-        for d in range(min(self.depth, state.budget - 1)):
-            h = forward_rows(model, kv, state.seq, torch.tensor([tok]), layers=self.layers)  # (1, dim)
-            probs = model.logits(h)[-1].softmax(-1)
-            top = probs.topk(self.width)
-            ids, ps = top.indices.tolist(), top.values.tolist()
-            if ps[0] < self.min_prob and d > 0:  # the draft is unsure: stop the chain here
+        return self.propose_all([state])[0]
+
+    @torch.inference_mode()
+    def propose_all(self, states: list[DecodeState]) -> list[Tree | None]:
+        """Every sequence's chain in lockstep: one draft forward (a row per sequence still drafting)
+        per depth."""
+        kv, model = states[0].kv, self.model
+        chains = [_Chain(s.tokens[-1], min(self.depth, s.budget - 1)) for s in states]
+        for d in range(max(c.limit for c in chains)):
+            live = [(s, c) for s, c in zip(states, chains) if not c.stopped and d < c.limit]
+            if not live:
                 break
-            for rank, t in enumerate(ids):
-                tokens.append(t)
-                parents.append(chain)
-                if rank == 0:
-                    new_chain = len(tokens) - 1
-            chain, tok = new_chain, ids[0]
-        kv.discard(state.seq)  # the verifier rewrites these slots with every layer
-        return Tree.from_parents(tokens, parents) if len(tokens) > 1 else None
+            step = StepBatch.build([s.seq for s, _ in live], [torch.tensor([c.tok]) for _, c in live],
+                                   [None] * len(live), [None] * len(live), [kv.used(s.seq) for s, _ in live],
+                                   model.dtype)
+            top = model.logits(model.step(step, kv, self.layers)).softmax(-1).topk(self.width)  # (B, width)
+            for (_, c), ids, ps in zip(live, top.indices.tolist(), top.values.tolist()):
+                if ps[0] < self.min_prob and d > 0:  # the draft is unsure: stop the chain here
+                    c.stopped = True
+                    continue
+                for rank, t in enumerate(ids):
+                    c.tokens.append(t)
+                    c.parents.append(c.chain)
+                    if rank == 0:
+                        new_chain = len(c.tokens) - 1
+                c.chain, c.tok = new_chain, ids[0]
+        for s in states:
+            kv.discard(s.seq)  # the verifier rewrites these slots with every layer
+        return [Tree.from_parents(c.tokens, c.parents) if len(c.tokens) > 1 else None for c in chains]
+
+
+class _Chain:
+    """One sequence's draft: a chain of top-1 tokens, runners-up as extra leaves."""
+
+    def __init__(self, root: int, limit: int):
+        self.tok, self.tokens, self.parents = root, [root], [-1]
+        self.chain, self.limit, self.stopped = 0, limit, False  # chain: packed index of the newest chain node

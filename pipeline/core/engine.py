@@ -147,15 +147,17 @@ class Engine:
         model, kv = self.model, self.kv
         rank = {seq: r for r, seq in enumerate(kv.batch_order([s.seq for s in live]))}
         live = sorted(live, key=lambda s: rank[s.seq])
+        drafted = [s for s in live if self.proposer is not None and self._budget(s) > 1]
+        proposals = dict(zip((s.seq for s in drafted), self.proposer.propose_all(
+            [DecodeState(s.seq, s.tokens, s.hidden, model, kv, self._budget(s), s.generator) for s in drafted])
+            if drafted else []))
         trees = []
         for s in live:
-            budget, tree = self._budget(s), None
-            if self.proposer is not None and budget > 1:
-                tree = self.proposer.propose(DecodeState(s.seq, s.tokens, s.hidden, model, kv, budget, s.generator))
+            tree = proposals.get(s.seq)
             if tree is None:
                 tree = Tree.root(s.tokens[-1])
             else:  # never more drafts than tokens left, never past the context end
-                tree = tree.prune(budget - 1, model.args.max_seq_len - kv.used(s.seq))
+                tree = tree.prune(self._budget(s) - 1, model.args.max_seq_len - kv.used(s.seq))
             trees.append(tree)
         step = StepBatch.build([s.seq for s in live], [tr.tokens for tr in trees],
                                [None if tr.size == 1 else tr.depth for tr in trees],

@@ -33,6 +33,10 @@ class Proposer(ABC):
         """The tree to verify after `state.tokens[-1]` (the root), or None for a plain step. The
         engine prunes a tree to `state.budget`, but a proposer should not draft past it."""
 
+    def propose_all(self, states: list[DecodeState]) -> list[Tree | None]:
+        """Trees for every live sequence of a step; override to draft them together."""
+        return [self.propose(s) for s in states]
+
     def observe(self, seq: int, tokens: list[int], hidden: torch.Tensor) -> None:
         """Committed tokens and the target's hidden states that chose them: hidden[j] (n, dim) is
         the state whose next-token head gave tokens[j]. After prefill: the prompt's tokens 1..P-1
