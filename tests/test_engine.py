@@ -272,3 +272,21 @@ def test_batched_streaming_prints_each_request_whole_in_order(tmp_path, capsys):
     out = capsys.readouterr().out
     expected = "\n".join(f"[{it['id']}] {it['text']}" for it in objs["results"]["items"]) + "\n"
     assert out == expected
+
+
+def test_input_and_checkpoints_are_checked_before_the_model_loads(tmp_path, monkeypatch):
+    import pipeline.build
+    from pipeline.core import UserError
+
+    def no_model(node, backbone=None, **kw):
+        if node is not None and "model" in str(node.get("_target_", "")):
+            raise AssertionError("the model was loaded before the input was checked")
+        return real(node, backbone, **kw)
+    real = pipeline.build.component
+    monkeypatch.setattr(pipeline.build, "component", no_model)
+    cases = [(["input=/nonexistent/in.jsonl"], "/nonexistent/in.jsonl"),
+             (["decode=tree_medusa", "prompt=hi", "proposer.checkpoint=/nonexistent/h.safetensors"], "proposer.checkpoint"),
+             (["decode=tree_medusa", "prompt=hi", "proposer.tree_file=/nonexistent/tree.json"], "proposer.tree_file")]
+    for overrides, name in cases:
+        with pytest.raises(UserError, match=name):
+            decode(compose_config(["model=tiny", "stream=false", *overrides], output_dir=tmp_path))

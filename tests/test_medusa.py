@@ -218,3 +218,27 @@ def test_dynamic_medusa_tree_is_lossless(trained, tiny_backbone, tmp_path):
                           "max_new_tokens=40", "stream=false", "verify_lossless=true"], output_dir=tmp_path)
     metrics, _ = decode(cfg, tiny_backbone)
     assert metrics["lossless"] and metrics["mean_tree_nodes"] == 11  # 10 drafts + the root
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_medusa_near_the_context_end_equals_greedy(trained, batch, dynamic):
+    """A deep Medusa tree is never larger than the tokens left: up to the context end (48 tokens),
+    at any batch size, the tokens are plain greedy's and the requests stop with "context"."""
+    from pipeline.build import build_engine, component
+    root, _, _ = trained
+    bb = component(compose_config(["model=tiny", "model.max_seq_len=48"]).model)
+    text = bb.tokenizer.encode("The cat sat on the mat and looked at the door. " * 6, add_special_tokens=False)
+    prompts = [text[:n] for n in (20, 35, 44, 46)]
+    common = ["model=tiny", "max_new_tokens=64", f"batch_size={batch}"]
+    plain, _ = build_engine(compose_config(["decode=greedy", *common]), bb)
+    spec, _ = build_engine(compose_config(["decode=tree_medusa", *common, "proposer.tree_file=null",
+                                           f"proposer.checkpoint={root / 'run' / 'heads.safetensors'}",
+                                           "tree.width=3", "tree.depth=3", "tree.max_nodes=12",
+                                           f"proposer.dynamic={str(dynamic).lower()}"]), bb)
+    ref, gens = plain.run(prompts), spec.run(prompts)
+    for p, r, g in zip(prompts, ref, gens):
+        assert g.token_ids == r.token_ids and g.finish_reason == r.finish_reason == "context"
+        for j, depth in enumerate(g.tree_depths):
+            assert depth <= 48 - len(p) - sum(g.accepted_lengths[:j + 1]) - 1
+    assert sum(g.steps for g in gens) < sum(len(g.token_ids) for g in gens), "the heads never drafted"
