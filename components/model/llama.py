@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from components.model.kernels import KernelPlan, matmul
 from pipeline.core import StepBatch
 
 
@@ -89,30 +90,6 @@ def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
     return inv
 
 
-# MKL's fp32 sgemm is poor for a few rows on this 2-core AVX2 CPU: 3-16 rows through the 30 layers
-# cost 2-2.8x one row. Computed the other way round, (W^T @ x^T)^T with the rows padded to a
-# multiple of 16 (the kernel's blocking), any 3-16 rows cost about what 16 do, ~1.8x one row, and
-# 17-32 rows little more. One row stays a plain x @ W (a memory-bound gemv). Tree verification lives
-# in this range, so both layouts of every matrix are kept (`Transformer.optimize_for_decoding`).
-TRANSPOSED_MM_ROWS = 3
-ROW_BLOCK = 16
-
-
-def pad_rows(x2: torch.Tensor) -> torch.Tensor:
-    """x2: (rows, in) -> (rows rounded up to ROW_BLOCK, in), zero rows appended."""
-    extra = -x2.shape[0] % ROW_BLOCK
-    return x2 if extra == 0 else torch.cat((x2, x2.new_zeros(extra, x2.shape[1])))
-
-
-def matmul(x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None) -> torch.Tensor:
-    """x: (..., in) @ w: (in, out); wt is the same matrix stored (out, in), or None."""
-    rows = x.numel() // x.shape[-1]
-    if wt is None or rows < TRANSPOSED_MM_ROWS or rows > 256:
-        return x @ w
-    y = torch.mm(wt, pad_rows(x.reshape(rows, -1)).t())  # (out, padded rows)
-    return y[:, :rows].t().reshape(*x.shape[:-1], w.shape[1])
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -161,25 +138,27 @@ class Block(nn.Module):
         self.w13 = nn.Parameter(torch.empty(args.dim, 2 * args.hidden_dim))  # gate | up
         self.w2 = nn.Parameter(torch.empty(args.hidden_dim, args.dim))
         self.make_transposed(False)
+        self.plan = KernelPlan()  # x @ W everywhere until the model is optimized for decoding
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
         """x: (B, T, dim); attend(layer, q, k, v) -> (B, T, nh * hs), with q: (B, T, nh, hs) and
         k, v: (B, T, nkv, hs) after RoPE: the cache-free or the cached attention of the caller."""
         B, T, _ = x.shape
         nq, nkv, hs = self.n_heads, self.n_kv, self.hs
-        qkv = matmul(self.attn_norm(x), self.wqkv, self.wqkv_t)  # (B, T, (nh + 2 nkv) hs)
+        kernel = self.plan.layer(x.shape[0] * x.shape[1])
+        qkv = matmul(self.attn_norm(x), self.wqkv, self.wqkv_t, kernel)  # (B, T, (nh + 2 nkv) hs)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
         qk = apply_rope(qkv[..., :(nq + nkv) * hs].view(B, T, nq + nkv, hs), cos, sin)  # (B, T, nh + nkv, hs)
         v = qkv[..., (nq + nkv) * hs:].view(B, T, nkv, hs)
         y = attend(self.layer_id, qk[:, :, :nq], qk[:, :, nq:], v)  # (B, T, nh hs)
-        o = matmul(y, self.wo, self.wo_t)
+        o = matmul(y, self.wo, self.wo_t, kernel)
         x = x + (o if self.bo is None else o + self.bo)
-        gate, up = matmul(self.mlp_norm(x), self.w13, self.w13_t).chunk(2, dim=-1)
-        return x + matmul(F.silu(gate) * up, self.w2, self.w2_t)
+        gate, up = matmul(self.mlp_norm(x), self.w13, self.w13_t, kernel).chunk(2, dim=-1)
+        return x + matmul(F.silu(gate) * up, self.w2, self.w2_t, kernel)
 
     def make_transposed(self, enable: bool = True):
-        """Keep an (out, in) copy of each matrix for multi-row forwards (see TRANSPOSED_MM_ROWS)."""
+        """Keep an (out, in) copy of each matrix for the multi-row kernels (components/model/kernels.py)."""
         for n in ("wqkv", "wo", "w13", "w2"):
             setattr(self, n + "_t", getattr(self, n).detach().t().contiguous() if enable else None)
 
@@ -258,18 +237,21 @@ class Transformer(nn.Module):
         return self.norm(x)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (..., dim) -> fp32 logits (..., vocab). One row reads the [in, out] copy; 4 or more
-        rows go through the [vocab, dim] embedding layout (tied models), padded as in `matmul`."""
+        """hidden: (..., dim) -> fp32 logits (..., vocab), with the measured kernel for this many rows
+        (tied models also hold the head as [vocab, dim]: the embedding)."""
         rows = hidden.numel() // hidden.shape[-1]
-        if rows >= TRANSPOSED_MM_ROWS and rows <= 256 and self.args.tie_embeddings:
-            y = torch.mm(self.tok_embeddings.weight, pad_rows(hidden.reshape(rows, -1)).t())  # (vocab, padded)
-            return y[:, :rows].t().reshape(*hidden.shape[:-1], -1).float()
-        return (hidden @ self.lm_head).float()
+        wt = self.tok_embeddings.weight if self.args.tie_embeddings else None
+        return matmul(hidden, self.lm_head, wt, self.layers[0].plan.lm_head(rows) if self.layers else "xw").float()
 
-    def optimize_for_decoding(self):
-        """Trade memory for multi-row speed: transposed weight copies for tree verification."""
+    def optimize_for_decoding(self, cache=None):
+        """Trade memory for multi-row speed: transposed weight copies, and the fastest kernel per row
+        count measured on this machine (cached under `cache`, see components/model/kernels.py)."""
+        from components.model.kernels import plan_for
         for blk in self.layers:
             blk.make_transposed(True)
+        plan = plan_for(self, cache)
+        for blk in self.layers:
+            blk.plan = plan
         return self
 
     @torch.no_grad()

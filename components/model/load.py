@@ -81,7 +81,7 @@ def build(args: LlamaArgs, weights: dict[str, torch.Tensor], dtype: torch.dtype)
     model = model.to_empty(device="cpu")
     model.load_state_dict(weights, strict=True)
     model.inv_freq = rope_inv_freq(args).float()  # buffers are not in the state dict
-    return model.to(dtype).eval().requires_grad_(False).optimize_for_decoding()
+    return model.to(dtype).eval().requires_grad_(False).optimize_for_decoding(cache_dir())
 
 
 def parse_dtype(dtype: str) -> torch.dtype:

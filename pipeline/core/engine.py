@@ -25,6 +25,9 @@ from pipeline.core.tree import Tree
 from pipeline.core.types import DecodeState, Generation, StepBatch
 
 
+PREFILL_ROWS = 2048  # prompt tokens per admission forward; a longer prompt is prefilled alone
+
+
 def forward_rows(model, kv, seq: int, tokens: torch.Tensor, depths: torch.Tensor | None = None,
                  mask: torch.Tensor | None = None, layers: list[int] | None = None) -> torch.Tensor:
     """One sequence's forward: tokens (n,) after the slots it holds (a prompt block when depths and
@@ -92,9 +95,12 @@ class Engine:
         out: list[Generation | None] = [None] * len(prompts)
         try:
             while queue or live:
-                while queue and len(live) < self.batch_size:
+                joining = []
+                while queue and len(live) + len(joining) < self.batch_size:
                     i = queue.popleft()
-                    live.append(self._admit(i, prompts[i], seeds[i], on_tokens))
+                    joining.append((i, prompts[i], seeds[i]))
+                if joining:
+                    live += self._admit(joining, on_tokens)
                 if not all(s.done for s in live):
                     self._step([s for s in live if not s.done], on_tokens)
                 for s in [s for s in live if s.done]:
@@ -109,26 +115,48 @@ class Engine:
                 self._release(s)
         return out
 
-    # --- one request joins ---------------------------------------------------------------------------
-    def _admit(self, i: int, prompt: list[int], seed: int, on_tokens) -> _Live:
+    # --- requests join ------------------------------------------------------------------------------
+    def _admit(self, joining: list[tuple[int, list[int], int]], on_tokens) -> list[_Live]:
+        """Prefill the joining requests, packed into forwards of at most PREFILL_ROWS prompt tokens
+        (a longer prompt goes alone), and choose each one's first token."""
+        admitted, group, rows = [], [], 0
+        for req in joining:
+            if group and rows + len(req[1]) > PREFILL_ROWS:
+                admitted += self._prefill(group, on_tokens)
+                group, rows = [], 0
+            group.append(req)
+            rows += len(req[1])
+        return admitted + self._prefill(group, on_tokens)
+
+    def _prefill(self, group: list[tuple[int, list[int], int]], on_tokens) -> list[_Live]:
         t0 = time.perf_counter()
-        seq = self.kv.create()
-        s = _Live(i, seq, len(prompt), list(prompt), None, Generation(), torch.Generator().manual_seed(seed), t0)
+        live = []
         try:
-            h = forward_rows(self.model, self.kv, seq, torch.tensor(prompt))  # (P, dim)
-            self.kv.commit(seq)
-            p = self.target(self.model.logits(h[-1:]), input_ids=lambda: [s.tokens])
-            first = self.sampler.choose(p, [s.generator])[0]
-            if self.proposer is not None:
-                self.proposer.start(seq, prompt)
-                self.proposer.observe(seq, prompt[1:] + [first], h)
+            for i, prompt, seed in group:
+                live.append(_Live(i, self.kv.create(), len(prompt), list(prompt), None, Generation(),
+                                  torch.Generator().manual_seed(seed), t0))
+            step = StepBatch.build([s.seq for s in live], [torch.tensor(s.tokens) for s in live], [None] * len(live),
+                                   [None] * len(live), [0] * len(live), self.model.dtype)
+            h = self.model.step(step, self.kv)  # (R, dim): every prompt position of every joining request
+            last = [o - 1 for o in step.offsets[1:]]
+            p = self.target(self.model.logits(h[last]), input_ids=lambda: [s.tokens for s in live])
+            firsts = []
+            for b, s in enumerate(live):
+                self.kv.commit(s.seq)
+                firsts.append(self.sampler.choose(p.rows(b, b + 1), [s.generator])[0])
+                if self.proposer is not None:
+                    self.proposer.start(s.seq, s.tokens)
+                    self.proposer.observe(s.seq, s.tokens[1:] + [firsts[-1]], h[step.offsets[b]:step.offsets[b + 1]])
         except BaseException:
-            self._release(s)
+            for s in live:
+                self._release(s)
             raise
-        s.hidden = h[-1]
-        s.gen.prefill_ms = (time.perf_counter() - t0) * 1e3
-        self._emit(s, [first], h[-1:], on_tokens)
-        return s
+        ms = (time.perf_counter() - t0) * 1e3
+        for s, first, o in zip(live, firsts, last):
+            s.hidden = h[o]
+            s.gen.prefill_ms = ms
+            self._emit(s, [first], h[o:o + 1], on_tokens)
+        return live
 
     def _release(self, s: _Live) -> None:
         if s.seq in self.kv.sequences:
