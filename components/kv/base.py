@@ -20,6 +20,7 @@ class SequencePool(KVManager):
         self._len: dict[int, int] = {}
         self._pend: dict[int, int] = {}
         self._next = 0
+        self._plan = None  # the current step's index tensors (begin_step .. end_step)
         self.peak_bytes = 0
 
     def _new_id(self) -> int:
@@ -48,6 +49,24 @@ class SequencePool(KVManager):
     def end_step(self, step) -> None:
         for seq, n in zip(step.seqs, step.counts):
             self._pend[seq] += n
+        self._plan = None  # the step's index tensors, built by begin_step
+
+    def commit(self, seq: int, keep=None) -> None:
+        self._check(seq)
+        L = self._len[seq]
+        if keep is None:
+            self._len[seq] += self._pend[seq]
+        else:
+            idx = self._kept(seq, keep)
+            if idx is not None:
+                self._move(seq, idx + L, torch.arange(L, L + idx.numel()))
+            self._len[seq] = L + len(keep)
+        self._pend[seq] = 0
+        self._release_tail(seq)
+
+    def _move(self, seq: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the slots src (tentative, ascending) of every layer to dst (from the committed end)."""
+        raise NotImplementedError
 
     def _kept(self, seq: int, keep) -> torch.Tensor | None:
         """Validate `keep`; None when the kept slots are already in place (a prefix of the tentative ones)."""

@@ -23,7 +23,6 @@ class ContiguousKV(SequencePool):
         self.buf = torch.zeros(self.n_layers, 2, 0, self.n_kv, max_len, self.hs, dtype=self.dtype)
         self._slot: dict[int, int] = {}
         self._free: list[int] = []  # free slots, ascending
-        self._plan = None
 
     # --- sequences -------------------------------------------------------------------------------
     def _grow(self, slots: int, capacity: int) -> None:
@@ -88,23 +87,9 @@ class ContiguousKV(SequencePool):
             return kb[a:a + len(step.seqs), :, :S], vb[a:a + len(step.seqs), :, :S]
         return kb[gather, :, :S], vb[gather, :, :S]  # (B, nkv, S, hs) copies
 
-    def end_step(self, step) -> None:
-        super().end_step(step)
-        self._plan = None
-
-    def commit(self, seq, keep=None) -> None:
-        self._check(seq)
-        L = self._len[seq]
-        if keep is None:
-            self._len[seq] += self._pend[seq]
-        else:
-            idx = self._kept(seq, keep)
-            n = len(keep)
-            if idx is not None:
-                row = self.buf[:, :, self._slot[seq]]  # (n_layers, 2, nkv, capacity, hs)
-                row[:, :, :, L:L + n] = row.index_select(3, idx + L)  # index_select copies: overlap is safe
-            self._len[seq] = L + n
-        self._pend[seq] = 0
+    def _move(self, seq, src, dst) -> None:
+        row = self.buf[:, :, self._slot[seq]]  # (n_layers, 2, nkv, capacity, hs)
+        row[:, :, :, dst] = row.index_select(3, src)  # index_select copies: overlap is safe
 
     def gather(self, seq, layer):
         n, s = self._len[seq], self._slot[seq]

@@ -34,7 +34,6 @@ class PagedKV(SequencePool):
         self.tables: dict[int, list[int]] = {}
         self.peak_blocks = 0
         self.cow_copies = 0
-        self._plan = None
 
     # --- blocks ----------------------------------------------------------------------------------
     def _alloc(self) -> int:
@@ -132,26 +131,10 @@ class PagedKV(SequencePool):
             K, V = kp[read].view(shape), vp[read].view(shape)  # (B, nb, block, nkv, hs) gathered
         return K[:, :S].transpose(1, 2), V[:, :S].transpose(1, 2)  # (B, nkv, S, hs)
 
-    def end_step(self, step) -> None:
-        super().end_step(step)
-        self._plan = None
-
-    def commit(self, seq, keep=None) -> None:
-        self._check(seq)
-        L = self._len[seq]
-        if keep is None:
-            self._len[seq] += self._pend[seq]
-        else:
-            idx = self._kept(seq, keep)
-            n = len(keep)
-            if idx is not None:
-                bs, t = self.block_size, torch.tensor(self.tables[seq])
-                src, dst = idx + L, torch.arange(L, L + n)
-                # the blocks past the committed prefix were written this step: this sequence owns them
-                self.pool[:, :, t[dst // bs], dst % bs] = self.pool[:, :, t[src // bs], src % bs]
-            self._len[seq] = L + n
-        self._pend[seq] = 0
-        self._release_tail(seq)
+    def _move(self, seq, src, dst) -> None:
+        bs, t = self.block_size, torch.tensor(self.tables[seq])
+        # the blocks past the committed prefix were written this step: this sequence owns them
+        self.pool[:, :, t[dst // bs], dst % bs] = self.pool[:, :, t[src // bs], src % bs]
 
     def gather(self, seq, layer):
         n, bs = self._len[seq], self.block_size
