@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import re
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -23,14 +24,21 @@ FREE_TEXT_KEYS = ("prompt", "system_prompt")  # values users type as prose, comm
 
 def quote_free_text(argv: list[str]) -> list[str]:
     """`prompt=Hi, who are you?` reaches us unquoted (the shell ate the quotes) and Hydra's override
-    grammar rejects it ("Ambiguous value"). Free-text values are quoted for Hydra, as typed: a
-    value already quoted for Hydra is left alone, `${` is kept literal."""
-    out = []
+    grammar rejects it ("Ambiguous value"). A free-text value that Hydra would not read as the one
+    string typed is quoted for it, as typed: backslashes before a quote or at the end doubled,
+    quotes escaped, `${` kept literal. A value already quoted for Hydra is left alone."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    parser, out = OverridesParser.create(), []
     for arg in argv:
         key, eq, value = arg.partition("=")
-        if eq and key.lstrip("+") in FREE_TEXT_KEYS and not (len(value) >= 2 and value[0] == value[-1] and value[0] in "'\""):
-            value = value.replace("\\", "\\\\").replace("'", "\\'").replace("${", "\\${")
-            arg = f"{key}='{value}'"
+        if eq and key.lstrip("+~") in FREE_TEXT_KEYS:
+            try:
+                parsed = parser.parse_override(arg).value()
+            except Exception:  # Hydra's grammar errors: quote it
+                parsed = None
+            if not isinstance(parsed, str) or "${" in value:
+                text = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value)
+                arg = f"{key}='" + text.replace("'", "\\'").replace("${", "\\${") + "'"
         out.append(arg)
     return out
 

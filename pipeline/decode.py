@@ -8,6 +8,7 @@ directory skips the ids already there. Ctrl-C or SIGTERM stops cleanly: what fin
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import signal
 import statistics
@@ -83,10 +84,10 @@ def run_requests(engine: Engine, prompts: list[list[int]], seeds: list[int] | No
 def preset_name(cfg: DictConfig) -> str:
     """The preset's name if the run uses the preset's components, else "custom": a run whose proposer,
     verifier or sampler was picked by hand is never reported as a preset it is not."""
+    from pipeline.cli import compose_config, groups
     name = cfg.get("name") or "custom"
-    if name == "custom":
-        return name
-    from pipeline.cli import compose_config
+    if name not in groups()["decode"]:
+        return "custom"
     ref = compose_config([f"decode={name}"])
 
     def picks(c):
@@ -95,17 +96,28 @@ def preset_name(cfg: DictConfig) -> str:
     return name if picks(ref) == picks(cfg) else "custom"
 
 
-def load_items(path, ids: set[str]) -> dict[str, dict]:
-    """Finished items of an earlier run in this directory (a torn last line is dropped)."""
+def load_items(path, keys: dict[str, str]) -> dict[str, dict]:
+    """Finished items of an earlier run in this directory, by id. A torn last line (a kill during
+    the append) is cut off so the next append starts a line of its own; an item made from another
+    prompt or pipeline is refused."""
     done = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if item.get("id") in ids:
-                done[item["id"]] = item
+    if not path.is_file():
+        return done
+    text = path.read_text()
+    if text and not text.endswith("\n"):
+        text = text[:text.rfind("\n") + 1]
+        path.write_text(text)
+    for line in text.splitlines():
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        rid = item.get("id")
+        if rid in keys:
+            if item.get("request_key") != keys[rid]:
+                raise UserError(f"{path} holds request {rid!r} decoded from another prompt or pipeline: "
+                                "resume with the same input and settings, or pick a new hydra.run.dir")
+            done[rid] = item
     return done
 
 
@@ -144,6 +156,15 @@ class _Signals:
             raise KeyboardInterrupt
 
 
+def request_key(cfg: DictConfig, r) -> str:
+    """What decides a request's tokens: its text and the pipeline (model, sampler, proposer, verifier,
+    limits, seed, chat). Resuming refuses items made from another."""
+    parts = {"prompt": r.prompt, "messages": r.messages,
+             **{k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg.get(k), DictConfig) else cfg.get(k)
+                for k in ("model", "sampler", "proposer", "verifier", "max_new_tokens", "seed", "chat", "system_prompt")}}
+    return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
     reqs = load_requests(cfg.get("input"), cfg.get("prompt"))  # bad input fails before the model loads
     if any(r.constraint for r in reqs):
@@ -152,64 +173,69 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
     positive_int(cfg, "max_new_tokens")
     positive_int(cfg, "batch_size")
     check_paths(cfg)
+    name = preset_name(cfg)
     out = run_dir(cfg)
     items_path = out / "items.jsonl"
-    done = load_items(items_path, {r.id for r in reqs})
+    keys = {r.id: request_key(cfg, r) for r in reqs}
+    done = load_items(items_path, keys)
     todo = [k for k, r in enumerate(reqs) if r.id not in done]
-    engine, backbone = build_engine(cfg, backbone)
-    tok, limit = backbone.tokenizer, backbone.model.args.max_seq_len
-    prompts = {k: encode(tok, reqs[k], bool(cfg.chat), cfg.get("system_prompt")) for k in todo}
-    for k, ids in prompts.items():
-        if len(ids) >= limit:
-            raise UserError(f"request {reqs[k].id}: prompt is {len(ids)} tokens, the model's context is "
-                            f"{limit}: shorten it or raise model.max_seq_len")
-    if done:
-        print(f"resuming in {out}: {len(done)} of {len(reqs)} requests already finished", file=sys.stderr)
-    if todo and cfg.get("warmup", True):  # first-call costs (allocation, MKL set-up) stay out of the timings
-        warm = copy.copy(engine)
-        warm.max_new_tokens = min(4, engine.max_new_tokens)
-        warm.run([prompts[todo[0]]])
-    printer = StreamPrinter(tok, [reqs[k].id for k in todo], show_ids=len(reqs) > 1) if cfg.stream else None
     signals, fresh = _Signals(), {}
+    with signals.installed():  # from here on, SIGTERM is a clean stop like Ctrl-C
+        engine, backbone = build_engine(cfg, backbone)
+        tok, limit = backbone.tokenizer, backbone.model.args.max_seq_len
+        prompts = {k: encode(tok, reqs[k], bool(cfg.chat), cfg.get("system_prompt")) for k in todo}
+        for k, ids in prompts.items():
+            if len(ids) >= limit:
+                raise UserError(f"request {reqs[k].id}: prompt is {len(ids)} tokens, the model's context is "
+                                f"{limit}: shorten it or raise model.max_seq_len")
+        if done:
+            print(f"resuming in {out}: {len(done)} of {len(reqs)} requests already finished", file=sys.stderr)
+        if todo and cfg.get("warmup", True):  # first-call costs (allocation, MKL set-up) stay out of the timings
+            warm = copy.copy(engine)
+            warm.max_new_tokens = min(4, engine.max_new_tokens)
+            warm.run([prompts[todo[0]]])
+        printer = StreamPrinter(tok, [reqs[k].id for k in todo], show_ids=len(reqs) > 1) if cfg.stream else None
 
-    def finished(j: int, g: Generation):
-        r = reqs[todo[j]]
-        item = {"id": r.id, "prompt": r.prompt, "text": tok.decode(g.token_ids, skip_special_tokens=True),
-                **gen_fields(g)}
-        with signals.saving_item():
-            append_jsonl(items_path, item)
-            fresh[r.id] = item
-            if printer is not None:
-                printer.finish(j)
-            if g.finish_reason == "context":
-                print(f"[{r.id}] stopped at the context end ({limit} tokens): shorten the prompt or raise "
-                      "model.max_seq_len", file=sys.stderr)
+        def finished(j: int, g: Generation):
+            r = reqs[todo[j]]
+            item = {"id": r.id, "prompt": r.prompt, "text": tok.decode(g.token_ids, skip_special_tokens=True),
+                    **gen_fields(g), "request_key": keys[r.id]}
+            with signals.saving_item():
+                append_jsonl(items_path, item)
+                fresh[r.id] = item
+                if printer is not None:
+                    printer.finish(j)
+                if g.finish_reason == "context":
+                    print(f"[{r.id}] stopped at the context end ({limit} tokens): shorten the prompt or raise "
+                          "model.max_seq_len", file=sys.stderr)
 
-    out.mkdir(parents=True, exist_ok=True)
-    interrupted, t0 = False, time.perf_counter()
-    with signals.installed():
+        out.mkdir(parents=True, exist_ok=True)
+        interrupted, t0 = False, time.perf_counter()
         try:
             engine.run([prompts[k] for k in todo], [int(cfg.seed) + k for k in todo],
                        on_tokens=printer.push if printer is not None else None, on_finish=finished)
         except KeyboardInterrupt:
             interrupted = True
-    wall = time.perf_counter() - t0
-    if printer is not None:
-        printer.close()
-    items = [done.get(r.id) or fresh[r.id] for r in reqs if r.id in done or r.id in fresh]
-    summary = summarize(list(fresh.values()), wall)  # speed of this run's requests
-    summary.update(requests=len(items), finished_now=len(fresh), resumed=len(done), interrupted=interrupted,
-                   kv=engine.kv.stats())
-    if cfg.get("verify_lossless") and not interrupted:
-        summary.update(verify_lossless(engine, backbone, cfg, reqs, items))
-    results = {"decode": preset_name(cfg), "config": OmegaConf.to_container(cfg, resolve=True),
-               "summary": summary, "items": items}
-    path = out / "results.json"
-    if fresh or not interrupted:  # an interrupted run that finished nothing leaves what is there alone
-        write_json(path, results)
+        wall = time.perf_counter() - t0
+        if printer is not None:
+            printer.close()
+        items = [done.get(r.id) or fresh[r.id] for r in reqs if r.id in done or r.id in fresh]
+        summary = summarize(list(fresh.values()), wall)  # speed of this run's requests
+        summary.update(requests=len(items), finished_now=len(fresh), resumed=len(done), interrupted=interrupted,
+                       kv=engine.kv.stats())
+        if cfg.get("verify_lossless") and not interrupted:
+            try:
+                summary.update(verify_lossless(engine, backbone, cfg, reqs, items))
+            except KeyboardInterrupt:  # the decoding itself is complete: keep it, without a verdict
+                interrupted = summary["interrupted"] = True
+        results = {"decode": name, "config": OmegaConf.to_container(cfg, resolve=True),
+                   "summary": summary, "items": items}
+        path = out / "results.json"
+        if fresh or not interrupted:  # an interrupted run that finished nothing leaves what is there alone
+            write_json(path, results)
     if interrupted:
-        raise Interrupted(f"interrupted: {len(items)} of {len(reqs)} requests finished, kept in {items_path}; "
-                          f"rerun with hydra.run.dir={out} to resume")
+        raise Interrupted(f"interrupted: {len(items)} of {len(reqs)} requests finished"
+                          f"{f', kept in {items_path}' if items else ''}; rerun with hydra.run.dir={out} to resume")
     return {**summary, "results_path": str(path)}, {"engine": engine, "backbone": backbone, "results": results}
 
 

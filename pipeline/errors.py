@@ -26,7 +26,7 @@ def one_line_errors(fn):
         except UserError as e:
             _die(str(e))
         except KeyboardInterrupt:
-            _die("interrupted before any request finished; nothing was written", 130, prefix="")
+            _die("interrupted before any request finished: nothing new was written", 130, prefix="")
         except Exception as e:  # Hydra wraps constructor errors in InstantiationException
             root = e
             while root.__cause__ is not None or root.__context__ is not None:

@@ -69,9 +69,12 @@ def test_one_step_packs_every_sequence_block_diagonally(tiny_backbone):
                                [tree.depth, None, None], [tree.mask, None, None], [5, 2, 0])
         h = model.step(step, kv)
         pa = model(torch.tensor([[5, 6, 7, 8, 9, 3, 4, 5]]), torch.arange(8)[None])[0, -3:]  # root, 4, 5
+        pa6 = model(torch.tensor([[5, 6, 7, 8, 9, 3, 6]]), torch.arange(7)[None])[0, -1]  # the sibling branch
         pb = model(torch.tensor([[11, 12, 13]]), torch.arange(3)[None])[0, -1]
         pc = model(torch.tensor([[1, 2, 3]]), torch.arange(3)[None])[0]
+    assert tree.tokens.tolist() == [3, 4, 5, 6]  # packed: root, 4, 5 under 4, then 6 under the root
     torch.testing.assert_close(h[:3], pa, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(h[3], pa6, rtol=1e-4, atol=1e-4)  # never sees its sibling branch
     torch.testing.assert_close(h[4], pb, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(h[5:], pc, rtol=1e-4, atol=1e-4)
 
@@ -116,9 +119,9 @@ def test_decoding_up_to_the_context_end_equals_plain_greedy(tiny_variants, prese
     for g, p, r in zip(gens, prompts, ref):
         assert g.token_ids == r and g.finish_reason == "context"
         assert_generation_invariants(g, 64, bb.eos_ids, eng.kv, len(p))
-        for j, depth in enumerate(g.tree_depths):
+        for j, (depth, nodes) in enumerate(zip(g.tree_depths, g.step_nodes)):
             left = limit - len(p) - sum(g.accepted_lengths[:j + 1])  # tokens still allowed at step j
-            assert depth <= left - 1
+            assert depth <= left - 1 and nodes <= left
     if preset == "oracle":
         assert sum(max(g.tree_depths, default=0) for g in gens) > 0
 
@@ -146,6 +149,27 @@ def test_a_failed_or_interrupted_run_leaks_no_block(tiny_variants, kv, exc):
     eng = replace(eng, proposer=failing)
     with pytest.raises(exc):
         eng.run(mixed_prompts(bb))
+    assert eng.kv.sequences == [] and eng.kv.stats()["bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize("kv", ["contiguous", "paged"])
+@pytest.mark.parametrize("at_call", [1, 4, 9])
+def test_a_failure_while_requests_join_or_stream_leaks_no_block(tiny_variants, kv, at_call, monkeypatch):
+    """Ctrl-C inside the token callback, at the first prefill (several prefill groups: small
+    PREFILL_ROWS), mid-run, or at a later admission: every sequence goes back to the pool."""
+    import pipeline.core.engine as engine_module
+    monkeypatch.setattr(engine_module, "PREFILL_ROWS", 20)
+    bb = tiny_variants["tied"]
+    eng = decoder_for("greedy", bb, f"kv={kv}", "batch_size=4", max_new_tokens=6)
+    calls = []
+
+    def on_tokens(i, ids, hidden):
+        calls.append(i)
+        if len(calls) == at_call:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        eng.run(mixed_prompts(bb), on_tokens=on_tokens)
     assert eng.kv.sequences == [] and eng.kv.stats()["bytes_in_use"] == 0
 
 

@@ -234,3 +234,13 @@ def test_a_prompt_typed_with_commas_works(tmp_path):
     run = run_pipeline(["model=tiny", "max_new_tokens=3", "chat=false", "prompt=Hi, who are you? It's ${me}"], tmp_path)
     assert run.rc == 0, run.stderr
     assert json.loads((tmp_path / "results.json").read_text())["items"][0]["prompt"] == "Hi, who are you? It's ${me}"
+
+
+@pytest.mark.parametrize("typed", ["Hi, who are you?", r"C:\Users\me", "say \\n", "ends with \\", "It's ${me}",
+                                   '"Stop," he said, "now"', "'a' or 'b'", "plain", "[1,2]", "a=b", "42", "x\\'y"])
+def test_free_text_reaches_the_config_as_typed(typed):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+    arg = pipeline.cli.quote_free_text([f"prompt={typed}"])[0]
+    value = OverridesParser.create().parse_override(arg).value()
+    assert OmegaConf.create({"p": value}).p == typed

@@ -216,8 +216,10 @@ def test_dynamic_medusa_tree_is_lossless(trained, tiny_backbone, tmp_path):
     cfg = compose_config(["decode=tree_medusa", "model=tiny", f"proposer.checkpoint={root / 'run' / 'heads.safetensors'}",
                           "proposer.dynamic=true", "tree.width=3", "tree.max_nodes=10", "prompt=good morning",
                           "max_new_tokens=40", "stream=false", "verify_lossless=true"], output_dir=tmp_path)
-    metrics, _ = decode(cfg, tiny_backbone)
-    assert metrics["lossless"] and metrics["mean_tree_nodes"] == 11  # 10 drafts + the root
+    metrics, objs = decode(cfg, tiny_backbone)
+    nodes = [n for it in objs["results"]["items"] for n in it["step_nodes"] if n > 1]
+    assert metrics["lossless"] and max(nodes) == 11  # 10 drafts + the root (smaller only near the end)
+    assert all(n == 11 for n in nodes[:-3])
 
 
 @pytest.mark.parametrize("batch", [1, 3])

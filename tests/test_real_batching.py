@@ -11,7 +11,9 @@ from pipeline.requests import encode, load_requests
 
 from conftest import compose_config
 
-RUNS = [("greedy", "paged", 8), ("greedy", "contiguous", 8),  # plain greedy, contiguous, batch 1: the reference
+# Each preset runs with both KV managers and both batch sizes (two runs each, crossed); greedy on
+# contiguous at batch 1 is the reference they all must equal.
+RUNS = [("greedy", "paged", 8), ("greedy", "contiguous", 8),
         ("tree_ngram", "contiguous", 1), ("tree_ngram", "paged", 8),
         ("tree_medusa", "paged", 1), ("tree_medusa", "contiguous", 8),
         ("self_spec", "contiguous", 8), ("self_spec", "paged", 1)]

@@ -119,7 +119,8 @@ def _gguf_cache(path: Path) -> Path:
     try:
         atomic_write(cdir, build)
     except OSError:
-        pass  # another process won the race; its copy is identical
+        if not (cdir / "weights.safetensors").is_file():
+            raise  # not a lost race (another process's identical copy): a real failure
     return cdir
 
 

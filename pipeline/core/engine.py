@@ -4,7 +4,7 @@ Every live sequence's root (a plain step) or tree is packed into one target forw
 block-diagonal attention, each row positioned within its own sequence). The target-distribution
 stage processes every row once; plain rows are sampled, trees are verified, and each sequence
 commits its own accepted path. A request that finishes leaves the batch at once and the next one
-is admitted (its prompt prefilled alone) before the next step: continuous batching.
+is admitted (joining prompts prefilled together) before the next step: continuous batching.
 
 The root of a sequence is its newest token, already chosen and streamed, whose keys/values are not
 cached yet; a step with no draft is exactly a plain decode step, and every step commits
@@ -25,7 +25,7 @@ from pipeline.core.tree import Tree
 from pipeline.core.types import DecodeState, Generation, StepBatch
 
 
-PREFILL_ROWS = 2048  # prompt tokens per admission forward; a longer prompt is prefilled alone
+PREFILL_ROWS = 2048  # padded prompt rows (requests x longest prompt) per admission forward
 
 
 def forward_rows(model, kv, seq: int, tokens: torch.Tensor, depths: torch.Tensor | None = None,
@@ -100,7 +100,7 @@ class Engine:
                     i = queue.popleft()
                     joining.append((i, prompts[i], seeds[i]))
                 if joining:
-                    live += self._admit(joining, on_tokens)
+                    self._admit(joining, live, on_tokens)
                 if not all(s.done for s in live):
                     self._step([s for s in live if not s.done], on_tokens)
                 for s in [s for s in live if s.done]:
@@ -116,47 +116,40 @@ class Engine:
         return out
 
     # --- requests join ------------------------------------------------------------------------------
-    def _admit(self, joining: list[tuple[int, list[int], int]], on_tokens) -> list[_Live]:
-        """Prefill the joining requests, packed into forwards of at most PREFILL_ROWS prompt tokens
-        (a longer prompt goes alone), and choose each one's first token."""
-        admitted, group, rows = [], [], 0
+    def _admit(self, joining: list[tuple[int, list[int], int]], live: list[_Live], on_tokens) -> None:
+        """Prefill the joining requests, packed into forwards of at most PREFILL_ROWS padded prompt
+        rows (a longer prompt goes alone), choose each one's first token, and add them to `live`
+        (as soon as their sequences exist, so a failure releases them with the rest)."""
+        group: list[tuple[int, list[int], int]] = []
         for req in joining:
-            if group and rows + len(req[1]) > PREFILL_ROWS:
-                admitted += self._prefill(group, on_tokens)
-                group, rows = [], 0
+            if group and (len(group) + 1) * max(len(req[1]), *(len(r[1]) for r in group)) > PREFILL_ROWS:
+                self._prefill(group, live, on_tokens)
+                group = []
             group.append(req)
-            rows += len(req[1])
-        return admitted + self._prefill(group, on_tokens)
+        self._prefill(group, live, on_tokens)
 
-    def _prefill(self, group: list[tuple[int, list[int], int]], on_tokens) -> list[_Live]:
+    def _prefill(self, group: list[tuple[int, list[int], int]], live: list[_Live], on_tokens) -> None:
         t0 = time.perf_counter()
-        live = []
-        try:
-            for i, prompt, seed in group:
-                live.append(_Live(i, self.kv.create(), len(prompt), list(prompt), None, Generation(),
-                                  torch.Generator().manual_seed(seed), t0))
-            step = StepBatch.build([s.seq for s in live], [torch.tensor(s.tokens) for s in live], [None] * len(live),
-                                   [None] * len(live), [0] * len(live), self.model.dtype)
-            h = self.model.step(step, self.kv)  # (R, dim): every prompt position of every joining request
-            last = [o - 1 for o in step.offsets[1:]]
-            p = self.target(self.model.logits(h[last]), input_ids=lambda: [s.tokens for s in live])
-            firsts = []
-            for b, s in enumerate(live):
-                self.kv.commit(s.seq)
-                firsts.append(self.sampler.choose(p.rows(b, b + 1), [s.generator])[0])
-                if self.proposer is not None:
-                    self.proposer.start(s.seq, s.tokens)
-                    self.proposer.observe(s.seq, s.tokens[1:] + [firsts[-1]], h[step.offsets[b]:step.offsets[b + 1]])
-        except BaseException:
-            for s in live:
-                self._release(s)
-            raise
+        joined = []
+        for i, prompt, seed in group:
+            joined.append(_Live(i, self.kv.create(), len(prompt), list(prompt), None, Generation(),
+                                torch.Generator().manual_seed(seed), t0))
+            live.append(joined[-1])
+        step = StepBatch.build([s.seq for s in joined], [torch.tensor(s.tokens) for s in joined],
+                               [None] * len(joined), [None] * len(joined), [0] * len(joined), self.model.dtype)
+        h = self.model.step(step, self.kv)  # (R, dim): every prompt position of every joining request
+        last = [o - 1 for o in step.offsets[1:]]
+        p = self.target(self.model.logits(h[last]), input_ids=lambda: [s.tokens for s in joined])
         ms = (time.perf_counter() - t0) * 1e3
-        for s, first, o in zip(live, firsts, last):
-            s.hidden = h[o]
+        for b, s in enumerate(joined):
+            self.kv.commit(s.seq)
+            first = self.sampler.choose(p.rows(b, b + 1), [s.generator])[0]
+            if self.proposer is not None:
+                self.proposer.start(s.seq, s.tokens)
+                self.proposer.observe(s.seq, s.tokens[1:] + [first], h[step.offsets[b]:step.offsets[b + 1]])
+            s.hidden = h[last[b]]
             s.gen.prefill_ms = ms
-            self._emit(s, [first], h[o:o + 1], on_tokens)
-        return live
+            self._emit(s, [first], h[last[b]:last[b] + 1], on_tokens)
 
     def _release(self, s: _Live) -> None:
         if s.seq in self.kv.sequences:
@@ -179,13 +172,18 @@ class Engine:
         proposals = dict(zip((s.seq for s in drafted), self.proposer.propose_all(
             [DecodeState(s.seq, s.tokens, s.hidden, model, kv, self._budget(s), s.generator) for s in drafted])
             if drafted else []))
+        for s in drafted:
+            if kv.pending(s.seq):
+                raise RuntimeError(f"{type(self.proposer).__name__} left {kv.pending(s.seq)} tentative KV slots "
+                                   "of a sequence: a drafting proposer must discard its own slots")
         trees = []
         for s in live:
             tree = proposals.get(s.seq)
             if tree is None:
                 tree = Tree.root(s.tokens[-1])
-            else:  # never more drafts than tokens left, never past the context end
-                tree = tree.prune(self._budget(s) - 1, model.args.max_seq_len - kv.used(s.seq))
+            else:  # never more nodes than tokens left, never a draft past max_new_tokens or the context
+                budget = self._budget(s)
+                tree = tree.prune(budget - 1, min(budget, model.args.max_seq_len - kv.used(s.seq)))
             trees.append(tree)
         step = StepBatch.build([s.seq for s in live], [tr.tokens for tr in trees],
                                [None if tr.size == 1 else tr.depth for tr in trees],

@@ -31,7 +31,8 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, state: DecodeState) -> Tree | None:
         """The tree to verify after `state.tokens[-1]` (the root), or None for a plain step. The
-        engine prunes a tree to `state.budget`, but a proposer should not draft past it."""
+        engine prunes a tree to `state.budget` nodes and depth budget - 1; a proposer should not draft
+        past them. Draft forwards of its own must discard their tentative slots."""
 
     def propose_all(self, states: list[DecodeState]) -> list[Tree | None]:
         """Trees for every live sequence of a step; override to draft them together."""
@@ -103,7 +104,7 @@ class KVManager(ABC):
 
     A sequence holds `length(seq)` committed slots followed by `pending(seq)` tentative ones. A step
     writes each sequence's new rows after the slots it holds (`update`, per layer, between
-    `begin_step` and `end_step`); the rows then become tentative, and the decoder decides:
+    `begin_step` and `end_step`); the rows then become tentative, and the engine decides:
     `commit(seq)` keeps them all (plain decoding), `commit(seq, keep)` gathers the chosen ones, in
     order, right after the committed prefix and releases the rest (tree verification),
     `discard(seq)` releases them (a draft pass), `truncate(seq, n)` rolls the committed prefix back.

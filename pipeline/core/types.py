@@ -33,7 +33,8 @@ class DecodeState:
     hidden: torch.Tensor  # (dim,) the target's hidden state that chose the root
     model: object  # the backbone Transformer, for self-drafting proposers
     kv: object  # its KV manager; a draft may write tentative slots of `seq` and must discard them
-    budget: int  # tokens still allowed after the root's step (max_new_tokens, context end)
+    budget: int  # tokens this sequence may still commit, the bonus token included (max_new_tokens,
+    # context end): a tree may hold budget nodes, its drafts reach depth budget - 1
     generator: torch.Generator | None = None  # the request's own, for sampled drafts
 
 
