@@ -61,13 +61,14 @@ class Engine:
                 raise UserError(f"{name} must be a positive int, got {v}")
         if proposer is not None and verifier is None:
             raise UserError("a proposer needs a verifier: add verifier=greedy")
-        if proposer is not None and not sampler.greedy:
-            raise UserError("verifier=greedy is lossless only for sampler=greedy; drop the proposer to sample")
+        if proposer is not None and not sampler.greedy and not getattr(verifier, "samples", False):
+            raise UserError(f"verifier {type(verifier).__name__} is lossless only for sampler=greedy: to sample "
+                            "with speculation use verifier=exact (or verifier=typical), or drop the proposer")
         self.model, self.kv, self.sampler = model, kv, sampler
         self.eos_ids, self.max_new_tokens = set(eos_ids), max_new_tokens
         self.proposer, self.verifier = proposer, verifier
         self.seed, self.batch_size = seed, batch_size
-        self.target = TargetStage(sampler.processors)
+        self.target = TargetStage(sampler.processors, greedy=sampler.greedy)
 
     # --- public ------------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], on_tokens: Callable[[list[int]], None] | None = None,
@@ -173,6 +174,9 @@ class Engine:
             [DecodeState(s.seq, s.tokens, s.hidden, model, kv, self._budget(s), s.generator) for s in drafted])
             if drafted else []))
         for s in drafted:
+            if self.proposer.sampled and proposals[s.seq] is not None and proposals[s.seq].q is None:
+                raise RuntimeError(f"{type(self.proposer).__name__} samples its drafts but gave no q: "
+                                   "exact verification needs the draft distribution of every node")
             if kv.pending(s.seq):
                 raise RuntimeError(f"{type(self.proposer).__name__} left {kv.pending(s.seq)} tentative KV slots "
                                    "of a sequence: a drafting proposer must discard its own slots")

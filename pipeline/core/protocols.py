@@ -49,6 +49,8 @@ class Proposer(ABC):
 
 
 class Verifier(ABC):
+    samples: bool = False  # True: may verify drafts under a sampling sampler (else greedy only)
+
     @abstractmethod
     def verify(self, tree: Tree, p: "Target", generator: torch.Generator | None = None) -> Accepted:
         """p: the processed target distribution at every node (row i = the target's next-token

@@ -14,17 +14,21 @@ from pipeline.core.errors import UserError
 
 class Target:
     """Processed target scores of R rows. scores: (R, V) float32, -inf where a token is not allowed;
-    `probs` (R, V) and `argmax` (R,) are computed on first use and shared by every consumer."""
+    `probs` (R, V), the distribution p the sampler draws from (one-hot on the argmax when decoding
+    greedily), and `argmax` (R,) are computed on first use and shared by every consumer."""
 
-    def __init__(self, scores: torch.Tensor):
-        self.scores = scores
+    def __init__(self, scores: torch.Tensor, greedy: bool = False):
+        self.scores, self.greedy = scores, greedy
         self._probs: torch.Tensor | None = None
         self._argmax: list[int] | None = None
 
     @property
     def probs(self) -> torch.Tensor:
         if self._probs is None:
-            self._probs = self.scores.softmax(-1)
+            if self.greedy:
+                self._probs = torch.zeros_like(self.scores).scatter_(-1, self.scores.argmax(-1, keepdim=True), 1.0)
+            else:
+                self._probs = self.scores.softmax(-1)
         return self._probs
 
     @property
@@ -35,7 +39,7 @@ class Target:
 
     def rows(self, start: int, stop: int) -> "Target":
         """The rows [start, stop), sharing whatever was already computed."""
-        out = Target(self.scores[start:stop])
+        out = Target(self.scores[start:stop], self.greedy)
         if self._probs is not None:
             out._probs = self._probs[start:stop]
         if self._argmax is not None:
@@ -49,8 +53,8 @@ class Target:
 class TargetStage:
     """logits (R, V) -> Target, through the sampler's processors and the rows' constraint masks."""
 
-    def __init__(self, processors: list | None = None):
-        self.processors = list(processors or [])
+    def __init__(self, processors: list | None = None, greedy: bool = False):
+        self.processors, self.greedy = list(processors or []), greedy
         self.needs_input_ids = any(getattr(p, "needs_input_ids", False) for p in self.processors)
 
     def __call__(self, logits: torch.Tensor, input_ids: Callable[[], list[list[int]]] | None = None,
@@ -69,4 +73,4 @@ class TargetStage:
                 raise UserError(f"no token is allowed at {describe(r) if describe else f'row {r}'}: "
                                 "the constraint cannot be continued; check it against the prompt")
             scores = scores.masked_fill(~allowed, float("-inf"))
-        return Target(scores.float())
+        return Target(scores.float(), self.greedy)

@@ -79,6 +79,13 @@ class Tree:
         tree.q, tree.state = q, state
         return tree
 
+    def children(self) -> list[list[int]]:
+        """Each node's children, in packed order (the proposer's preference)."""
+        out: list[list[int]] = [[] for _ in range(self.size)]
+        for i, par in enumerate(self.parents.tolist()[1:], 1):
+            out[par].append(i)
+        return out
+
     def path_to(self, node: int) -> list[int]:
         """Packed indices from the root down to `node`, both included."""
         parents, path = self.parents.tolist(), []
