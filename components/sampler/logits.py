@@ -36,17 +36,26 @@ class TopK:
 
 
 class TopP:
+    CANDIDATES = 512  # tokens sorted per row before falling back to the whole vocabulary
+
     def __init__(self, top_p: float):
         if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
             raise ValueError(f"`sampler.top_p` must be in (0, 1], got {top_p}")
         self.top_p = float(top_p)
 
     def __call__(self, input_ids, scores: torch.Tensor) -> torch.Tensor:
-        sorted_scores, order = scores.sort(dim=-1, descending=True)
-        probs = sorted_scores.softmax(-1)
+        # the nucleus almost always lies among the few hundred most likely tokens: sort those, and
+        # the whole vocabulary only for a row they do not cover (same result, far cheaper per row)
+        k = min(self.CANDIDATES, scores.shape[-1])
+        top = scores.topk(k, dim=-1)  # (R, k), descending
+        probs = top.values.softmax(-1) * (top.values.logsumexp(-1, keepdim=True) - scores.logsumexp(-1, keepdim=True)).exp()
+        if k < scores.shape[-1] and not bool((probs.sum(-1) >= self.top_p).all()):
+            top = scores.sort(dim=-1, descending=True)
+            probs = top.values.softmax(-1)
         drop = probs.cumsum(-1) - probs >= self.top_p  # keep the smallest set reaching top_p
         drop[..., 0] = False
-        return scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices, ~drop)
+        return scores.masked_fill(~keep, float("-inf"))
 
 
 class RepetitionPenalty:
