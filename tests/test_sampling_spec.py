@@ -104,41 +104,40 @@ def chi_square_p(counts: Counter, truth: dict[tuple, float]) -> float:
     return float(torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2), torch.tensor(stat / 2)))
 
 
-class NoRenormalisation(ExactVerifier):
+class WrongVerifier(ExactVerifier):
+    """Walks the tree like the exact verifier, but keeps the child that `pick` chooses at each node
+    (None: stop and sample the next token from the untouched p there)."""
+
+    def pick(self, tree, probs, node, tokens, children, generator):
+        raise NotImplementedError
+
+    def verify(self, tree, p, generator=None):
+        probs = p.probs
+        tokens, children = tree.tokens.tolist(), tree.children()
+        node, path = 0, [0]
+        while (chosen := self.pick(tree, probs, node, tokens, children, generator)) is not None:
+            path.append(chosen)
+            node = chosen
+        tok = int(torch.multinomial(probs[node], 1, generator=generator))
+        return Accepted(path, [tokens[i] for i in path[1:]], tok)
+
+
+class NoRenormalisation(WrongVerifier):
     """Wrong: after a rejection the next child is tested against the untouched p."""
 
-    def verify(self, tree, p, generator=None):
-        probs = p.probs
-        tokens, children = tree.tokens.tolist(), tree.children()
-        node, path = 0, [0]
-        while True:
-            chosen = None
-            for c in children[node]:
-                q = 1.0 if tree.q is None else float(tree.q[node][tokens[c]])
-                if float(torch.rand((), generator=generator)) * q < float(probs[node][tokens[c]]):
-                    chosen = c
-                    break
-            if chosen is None:
-                tok = int(torch.multinomial(probs[node], 1, generator=generator))
-                return Accepted(path, [tokens[i] for i in path[1:]], tok)
-            path.append(chosen)
-            node = chosen
+    def pick(self, tree, probs, node, tokens, children, generator):
+        for c in children[node]:
+            q = 1.0 if tree.q is None else float(tree.q[node][tokens[c]])
+            if float(torch.rand((), generator=generator)) * q < float(probs[node][tokens[c]]):
+                return c
+        return None
 
 
-class GreedyAcceptance(ExactVerifier):
+class GreedyAcceptance(WrongVerifier):
     """Wrong at temperature 1: a draft is accepted when it is the target's most likely token."""
 
-    def verify(self, tree, p, generator=None):
-        probs = p.probs
-        tokens, children = tree.tokens.tolist(), tree.children()
-        node, path = 0, [0]
-        while True:
-            chosen = next((c for c in children[node] if tokens[c] == int(probs[node].argmax())), None)
-            if chosen is None:
-                tok = int(torch.multinomial(probs[node], 1, generator=generator))
-                return Accepted(path, [tokens[i] for i in path[1:]], tok)
-            path.append(chosen)
-            node = chosen
+    def pick(self, tree, probs, node, tokens, children, generator):
+        return next((c for c in children[node] if tokens[c] == int(probs[node].argmax())), None)
 
 
 DRAWS = 30_000
