@@ -34,6 +34,9 @@ def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
     The inverse of `components.model.load.convert_hf_state_dict`. Tensors are contiguous copies:
     a peer gets the layout a user loading the checkpoint would get, not our faster one."""
     a: LlamaArgs = model.args
+    if model.precision == "q4":
+        raise UserError("the transformers peer needs dense weights: load the backbone with model.precision=float32 "
+                        "or bfloat16")
     q_out, kv_out = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     ours = {n: t.detach() for n, t in model.named_parameters()}
     take = ours.pop  # every parameter must be taken once: a new one would otherwise be dropped silently
@@ -42,9 +45,9 @@ def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
     for i in range(a.n_layers):
         o, p = f"layers.{i}.", f"model.layers.{i}."
         at, m = p + "self_attn.", p + "mlp."
-        q, k, v = take(o + "wqkv").t().split([q_out, kv_out, kv_out])  # each (out, dim)
+        q, k, v = take(o + "wqkv.weight").t().split([q_out, kv_out, kv_out])  # each (out, dim)
         sd.update({at + "q_proj.weight": q, at + "k_proj.weight": k, at + "v_proj.weight": v,
-                   at + "o_proj.weight": take(o + "wo").t()})
+                   at + "o_proj.weight": take(o + "wo.weight").t()})
         if a.qkv_bias:
             bq, bk, bv = take(o + "bqkv").split([q_out, kv_out, kv_out])
             sd.update({at + "q_proj.bias": bq, at + "k_proj.bias": bk, at + "v_proj.bias": bv})
@@ -52,8 +55,8 @@ def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
             sd[at + "o_proj.bias"] = take(o + "bo")
         elif a.qkv_bias:
             sd[at + "o_proj.bias"] = torch.zeros(a.dim, dtype=sd[at + "q_proj.weight"].dtype)
-        gate, up = take(o + "w13").t().split([a.hidden_dim, a.hidden_dim])  # each (hidden, dim)
-        sd.update({m + "gate_proj.weight": gate, m + "up_proj.weight": up, m + "down_proj.weight": take(o + "w2").t(),
+        gate, up = take(o + "w13.weight").t().split([a.hidden_dim, a.hidden_dim])  # each (hidden, dim)
+        sd.update({m + "gate_proj.weight": gate, m + "up_proj.weight": up, m + "down_proj.weight": take(o + "w2.weight").t(),
                    p + "input_layernorm.weight": take(o + "attn_norm.weight"),
                    p + "post_attention_layernorm.weight": take(o + "mlp_norm.weight")})
     if ours:

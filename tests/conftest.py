@@ -59,10 +59,9 @@ def tiny_backbone():
 
 @pytest.fixture(scope="session")
 def real_backbone():
-    """The real SmolLM2-135M-Instruct (float32). The first conversion of the GGUF takes ~25 s and is
-    cached under ~/.cache/llm-decode; later loads take ~2 s."""
+    """The real SmolLM2-135M-Instruct in float32, de-quantized from the GGUF (a few seconds)."""
     from components.model.load import from_pretrained
-    return from_pretrained()
+    return from_pretrained(precision="float32")
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,7 @@ def random_hf_llama(seed: int = 0, vocab_size: int = VOCAB, o_bias: bool = True,
 
 def ours_from_hf(hf: LlamaForCausalLM):
     args = LlamaArgs.from_hf_config(hf.config)
-    return build(args, convert_hf_state_dict(hf.state_dict(), args), torch.float32)
+    return build(args, convert_hf_state_dict(hf.state_dict(), args), "float32")
 
 
 def make_kv(model, max_len=512):
@@ -141,7 +141,7 @@ def test_loader_refuses_or_keeps_every_weight():
     hf = random_hf_llama(seed=3, attention_bias=True)
     args = LlamaArgs.from_hf_config(hf.config)
     try:
-        ours = build(args, convert_hf_state_dict(hf.state_dict(), args), torch.float32)
+        ours = build(args, convert_hf_state_dict(hf.state_dict(), args), "float32")
     except (ValueError, KeyError, RuntimeError):
         return  # refusing the checkpoint is acceptable
     n_hf = sum(p.numel() for p in hf.parameters())

@@ -135,7 +135,7 @@ def test_model_attention_kernel_with_tree_mask_equals_branch_reference():
 @pytest.fixture(scope="module")
 def tiny_fast():
     """The tiny backbone with the transposed weight copies used for multi-row forwards, as
-    components.model.load.build prepares every loaded model (tiny() alone does not)."""
+    components.model.load.assemble prepares every loaded model (tiny() alone does not)."""
     return tiny().model.optimize_for_decoding()
 
 

@@ -73,15 +73,17 @@ def _time(fn, reps: int = 2) -> float:
 @torch.inference_mode()
 def measure(model) -> KernelPlan:
     """Time every kernel at every bucket on the model's own matrices (a few seconds for SmolLM2)."""
-    mats = [(getattr(b, n), getattr(b, n + "_t")) for b in model.layers for n in ("wqkv", "wo", "w13", "w2")]
-    head = (model.lm_head, model.tok_embeddings.weight if model.args.tie_embeddings else None)
+    from components.model.linear import Dense
+    mats = [(m.weight, m.weight_t) for b in model.layers for m in b.matrices() if isinstance(m, Dense)]
+    head = (model.lm_head, model.tok_embeddings.weight if model.args.tie_embeddings else model.lm_head_t)
     plan = KernelPlan()
     for rows in BUCKETS:
         xs = [torch.randn(rows, w.shape[0], dtype=w.dtype) for w, _ in mats]
         h = torch.randn(rows, head[0].shape[0], dtype=head[0].dtype)
-        layer_t = {k: _time(lambda k=k: [matmul(x, w, wt, k) for x, (w, wt) in zip(xs, mats)]) for k in KERNELS}
         head_t = {k: _time(lambda k=k: matmul(h, head[0], head[1], k)) for k in KERNELS}
-        plan.layers[rows] = min(layer_t, key=layer_t.get)
+        if mats:  # q4 layers have one kernel
+            layer_t = {k: _time(lambda k=k: [matmul(x, w, wt, k) for x, (w, wt) in zip(xs, mats)]) for k in KERNELS}
+            plan.layers[rows] = min(layer_t, key=layer_t.get)
         plan.head[rows] = min(head_t, key=head_t.get)
     return plan
 
@@ -95,13 +97,15 @@ def machine_key(model) -> str:
     a = model.args
     parts = [cpu or platform.processor(), torch.__version__, str(torch.get_num_threads()),
              torch.backends.cpu.get_cpu_capability(), f"{a.n_layers}x{a.dim}x{a.hidden_dim}x{a.vocab_size}",
-             str(model.dtype), str(a.tie_embeddings)]
+             model.precision, str(a.tie_embeddings)]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def plan_for(model, cache: Path | None) -> KernelPlan:
     """The cached plan for this machine and model, measured on first use. LLM_DECODE_KERNELS=xw
     (or linear, padded_t) forces one kernel everywhere."""
+    if model.device.type != "cpu":  # GPUs: the [out, in] layout, cuBLAS picks its own kernels
+        return KernelPlan({b: "linear" for b in BUCKETS}, {b: "linear" for b in BUCKETS})
     forced = os.environ.get("LLM_DECODE_KERNELS")
     if forced:
         if forced not in KERNELS:
@@ -115,3 +119,48 @@ def plan_for(model, cache: Path | None) -> KernelPlan:
         from pipeline.core import atomic_write
         atomic_write(path, json.dumps({"layers": plan.layers, "head": plan.head}))
     return plan
+
+
+def _precision_key(args, device: torch.device) -> str:
+    cpu = ""
+    if Path("/proc/cpuinfo").is_file():
+        info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+        cpu = "|".join(line for line in info.splitlines() if line.startswith(("model name", "flags")))
+    parts = [cpu, str(device), torch.__version__, str(torch.get_num_threads()), torch.backends.cpu.get_cpu_capability(),
+             f"{args.n_layers}x{args.dim}x{args.hidden_dim}x{args.n_heads}x{args.n_kv_heads}"]
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+
+
+@torch.inference_mode()
+def precision_costs(args, candidates: list[str], device: torch.device, cache: Path | None) -> dict[str, float]:
+    """Milliseconds for the layer matrices of one plain step plus one 8-row tree, per precision, on
+    random matrices of the model's shapes (one layer, scaled to all): what `precision=auto` picks by.
+    About a second; cached per machine, thread count and model shape."""
+    from components.model.linear import Int4, quantize_q4
+    path = None if cache is None else cache / f"precisions-{_precision_key(args, device)}.json"
+    known = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    todo = [c for c in candidates if c not in known]
+    qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+    shapes = [(args.dim, qkv), (args.n_heads * args.head_dim, args.dim), (args.dim, 2 * args.hidden_dim),
+              (args.hidden_dim, args.dim)]  # [in, out]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for mode in todo:
+        total = 0.0
+        for k, n in shapes:
+            w = torch.randn(k, n, device=device) * 0.02
+            if mode == "q4":
+                m = Int4(*quantize_q4(w.t().cpu()), device=device)
+                fns = {"int4": lambda x, m=m: m(x)}
+                dt = torch.bfloat16
+            else:
+                dt = getattr(torch, mode)
+                wd, wt = w.to(dt), w.t().contiguous().to(dt)
+                fns = {kern: (lambda x, kern=kern, wd=wd, wt=wt: matmul(x, wd, wt, kern)) for kern in KERNELS}
+            for rows in (1, 8):
+                x = torch.randn(rows, k, device=device).to(dt)
+                total += min(_time(lambda f=f: (f(x), sync()), reps=5) for f in fns.values())
+        known[mode] = round(total * args.n_layers * 1e3, 3)
+    if todo and path is not None:
+        from pipeline.core import atomic_write
+        atomic_write(path, json.dumps(known))
+    return {c: known[c] for c in candidates}

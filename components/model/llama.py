@@ -5,9 +5,10 @@ cached keys plus the new ones: exactly the two hooks that packed tree attention 
 hidden states; the LM head is a separate call (`logits`), so Medusa heads and early-exit drafts can
 share the trunk.
 
-Weights are stored [in, out] and multiplied as `x @ W`: on this CPU MKL reads a row-major [in, out]
-matrix for one token at roughly twice the bandwidth of `F.linear`'s [out, in] layout. q/k/v and
-gate/up are fused so that one step makes four matmuls per layer instead of seven.
+Each layer's four matrices (q/k/v fused, the output projection, gate/up fused, down) are modules of
+components/model/linear.py: `Dense` ([in, out], float32 or bfloat16, with the kernel measured
+fastest per row count) or `Int4` (the GGUF's 4-bit blocks as shipped). The activation dtype is the
+embedding's: float32 for the float32 mode, bfloat16 for the bfloat16 and q4 modes.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from components.model.kernels import KernelPlan, matmul
+from components.model.linear import Dense
 from pipeline.core import StepBatch
 
 
@@ -130,14 +132,13 @@ class Block(nn.Module):
         self.n_heads, self.n_kv, self.hs = args.n_heads, args.n_kv_heads, args.head_dim
         qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.wqkv = nn.Parameter(torch.empty(args.dim, qkv_out))  # [in, out]
+        self.wqkv = Dense(args.dim, qkv_out)
         self.bqkv = nn.Parameter(torch.zeros(qkv_out)) if args.qkv_bias else None
-        self.wo = nn.Parameter(torch.empty(args.n_heads * args.head_dim, args.dim))
+        self.wo = Dense(args.n_heads * args.head_dim, args.dim)
         self.bo = nn.Parameter(torch.zeros(args.dim)) if args.o_bias else None
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
-        self.w13 = nn.Parameter(torch.empty(args.dim, 2 * args.hidden_dim))  # gate | up
-        self.w2 = nn.Parameter(torch.empty(args.hidden_dim, args.dim))
-        self.make_transposed(False)
+        self.w13 = Dense(args.dim, 2 * args.hidden_dim)  # gate | up
+        self.w2 = Dense(args.hidden_dim, args.dim)
         self.plan = KernelPlan()  # x @ W everywhere until the model is optimized for decoding
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
@@ -146,21 +147,21 @@ class Block(nn.Module):
         B, T, _ = x.shape
         nq, nkv, hs = self.n_heads, self.n_kv, self.hs
         kernel = self.plan.layer(x.shape[0] * x.shape[1])
-        qkv = matmul(self.attn_norm(x), self.wqkv, self.wqkv_t, kernel)  # (B, T, (nh + 2 nkv) hs)
+        qkv = self.wqkv(self.attn_norm(x), kernel)  # (B, T, (nh + 2 nkv) hs)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
         qk = apply_rope(qkv[..., :(nq + nkv) * hs].view(B, T, nq + nkv, hs), cos, sin)  # (B, T, nh + nkv, hs)
         v = qkv[..., (nq + nkv) * hs:].view(B, T, nkv, hs)
         y = attend(self.layer_id, qk[:, :, :nq], qk[:, :, nq:], v)  # (B, T, nh hs)
-        o = matmul(y, self.wo, self.wo_t, kernel)
+        o = self.wo(y, kernel)
         x = x + (o if self.bo is None else o + self.bo)
-        gate, up = matmul(self.mlp_norm(x), self.w13, self.w13_t, kernel).chunk(2, dim=-1)
-        return x + matmul(F.silu(gate) * up, self.w2, self.w2_t, kernel)
+        gate, up = self.w13(self.mlp_norm(x), kernel).chunk(2, dim=-1)
+        return x + self.w2(F.silu(gate) * up, kernel)
 
-    def make_transposed(self, enable: bool = True):
-        """Keep an (out, in) copy of each matrix for the multi-row kernels (components/model/kernels.py)."""
-        for n in ("wqkv", "wo", "w13", "w2"):
-            setattr(self, n + "_t", getattr(self, n).detach().t().contiguous() if enable else None)
+    MATRICES = ("wqkv", "wo", "w13", "w2")
+
+    def matrices(self) -> list[nn.Module]:
+        return [getattr(self, n) for n in self.MATRICES]
 
 
 class Transformer(nn.Module):
@@ -176,7 +177,19 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.dtype
+        """The activation (and KV cache) dtype."""
+        return self.tok_embeddings.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    @property
+    def precision(self) -> str:
+        """float32, bfloat16 or q4 (4-bit layer matrices, bfloat16 activations)."""
+        if any(not isinstance(m, Dense) for blk in self.layers for m in blk.matrices()):
+            return "q4"
+        return str(self.dtype).removeprefix("torch.")
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         """positions: (B, T) -> cos, sin: (B, T, 1, hs)."""
@@ -240,7 +253,7 @@ class Transformer(nn.Module):
         """hidden: (..., dim) -> fp32 logits (..., vocab), with the measured kernel for this many rows
         (tied models also hold the head as [vocab, dim]: the embedding)."""
         rows = hidden.numel() // hidden.shape[-1]
-        wt = self.tok_embeddings.weight if self.args.tie_embeddings else None
+        wt = self.tok_embeddings.weight if self.args.tie_embeddings else getattr(self, "lm_head_t", None)
         return matmul(hidden, self.lm_head, wt, self.layers[0].plan.lm_head(rows) if self.layers else "xw").float()
 
     def optimize_for_decoding(self, cache=None):
@@ -248,7 +261,10 @@ class Transformer(nn.Module):
         count measured on this machine (cached under `cache`, see components/model/kernels.py)."""
         from components.model.kernels import plan_for
         for blk in self.layers:
-            blk.make_transposed(True)
+            for m in blk.matrices():
+                m.make_transposed(True)
+        if not self.args.tie_embeddings:
+            self.lm_head_t = self.lm_head.detach().t().contiguous()
         plan = plan_for(self, cache)
         for blk in self.layers:
             blk.plan = plan
@@ -260,7 +276,17 @@ class Transformer(nn.Module):
 
     def fingerprint(self) -> str:
         """A short id of the weights, to refuse heads trained on another backbone."""
-        a = self.args
-        w = self.layers[0].wqkv.detach().float()
-        probe = float(w[:8, :8].sum()) + float(self.tok_embeddings.weight[:4, :4].float().sum())
-        return f"llama-{a.n_layers}x{a.dim}-v{a.vocab_size}-{probe:.6e}"
+        return getattr(self, "source_fingerprint", None) or fingerprint_of(
+            self.args, self.layers[0].wqkv.dense(), self.tok_embeddings.weight.detach())
+
+    def remember_fingerprint(self):
+        """Fix the fingerprint from the weights as loaded (float32), before a cast or quantization
+        changes them: heads trained in one precision load in every other."""
+        self.source_fingerprint = self.fingerprint()
+        return self
+
+
+def fingerprint_of(a: LlamaArgs, wqkv: torch.Tensor, embedding: torch.Tensor) -> str:
+    """wqkv: layer 0's fused q/k/v [in, out]; embedding: (vocab, dim); both as loaded (float32)."""
+    probe = float(wqkv[:8, :8].float().sum()) + float(embedding[:4, :4].float().sum())
+    return f"llama-{a.n_layers}x{a.dim}-v{a.vocab_size}-{probe:.6e}"

@@ -1,9 +1,17 @@
 """Backbone loaders (group `model`): a GGUF file, a Hugging Face folder, or random tiny weights.
 
-Each returns a `Backbone`: our Transformer plus the tokenizer that came with the weights. GGUF files
-are de-quantized by transformers (about 20 s for the default model on 2 cores), so the converted
-fp32 weights are cached as safetensors under $PIPELINE_CACHE (default ~/.cache/llm-decode), keyed by
-the file's size and mtime. Nothing is ever downloaded.
+Each returns a `Backbone`: our Transformer plus the tokenizer that came with the weights, in one of
+the precisions (`model.precision`):
+- `float32`: the exact reference (equal to transformers on the same file);
+- `bfloat16`: weights and activations in bfloat16;
+- `q4`: the layer matrices as 4-bit groups (a GGUF's Q4_1 / Q4_0 blocks as shipped, mapped exactly
+  onto torch's int4 kernels; a float checkpoint is quantized at load), bfloat16 activations, the
+  embedding / LM head in bfloat16;
+- `auto` (default): the fastest of these on this machine, measured (components/model/kernels.py:
+  `precision_costs`); `q4` is a candidate only for files that ship 4-bit blocks.
+GGUF files are read with gguf-py (memory-mapped) and de-quantized by our own code, bit for bit as
+gguf-py does; nothing is converted to disk. Only the tokenizer (and config) is cached, under
+$PIPELINE_CACHE (default ~/.cache/llm-decode), keyed by the file's content. Nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -11,13 +19,13 @@ import hashlib
 import importlib.util
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from components.model.llama import LlamaArgs, Transformer, rope_inv_freq
+from components.model.llama import Block, LlamaArgs, Transformer, fingerprint_of, rope_inv_freq
 from pipeline.core import UserError, atomic_write
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -28,6 +36,18 @@ class Backbone:
     model: Transformer
     tokenizer: object  # a transformers tokenizer
     name: str
+    precision_costs: dict = field(default_factory=dict)  # precision=auto: what each candidate measured (ms)
+
+    @property
+    def precision(self) -> str:
+        return self.model.precision
+
+    def describe(self) -> dict:
+        """What results.json / bench.json record of the backbone."""
+        out = {"model": self.name, "precision": self.precision, "device": str(self.model.device)}
+        if self.precision_costs:
+            out["precision_auto"] = {"chosen": self.precision, "layer_matrices_ms": self.precision_costs}
+        return out
 
     @property
     def eos_ids(self) -> list[int]:
@@ -60,14 +80,14 @@ def convert_hf_state_dict(sd: dict[str, torch.Tensor], args: LlamaArgs) -> dict[
     for i in range(args.n_layers):
         p = f"layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        out[p + "wqkv"] = torch.cat([sd[a + f"{n}_proj.weight"] for n in "qkv"]).t().contiguous()
+        out[p + "wqkv.weight"] = torch.cat([sd[a + f"{n}_proj.weight"] for n in "qkv"]).t().contiguous()
         if args.qkv_bias:
             out[p + "bqkv"] = torch.cat([sd[a + f"{n}_proj.bias"] for n in "qkv"])
-        out[p + "wo"] = sd[a + "o_proj.weight"].t().contiguous()
+        out[p + "wo.weight"] = sd[a + "o_proj.weight"].t().contiguous()
         if args.o_bias:
             out[p + "bo"] = sd[a + "o_proj.bias"]
-        out[p + "w13"] = torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]).t().contiguous()
-        out[p + "w2"] = sd[m + "down_proj.weight"].t().contiguous()
+        out[p + "w13.weight"] = torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]).t().contiguous()
+        out[p + "w2.weight"] = sd[m + "down_proj.weight"].t().contiguous()
         out[p + "attn_norm.weight"] = sd[p + "input_layernorm.weight"]
         out[p + "mlp_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
     head = sd["embed_tokens.weight"] if args.tie_embeddings or "lm_head.weight" not in sd else sd["lm_head.weight"]
@@ -75,19 +95,91 @@ def convert_hf_state_dict(sd: dict[str, torch.Tensor], args: LlamaArgs) -> dict[
     return out
 
 
-def build(args: LlamaArgs, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
+PRECISIONS = ("auto", "float32", "bfloat16", "q4")
+Q4 = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # "layers.{i}.{matrix}" -> codes, scale, zero
+
+
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise UserError(f"model.precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return precision
+
+
+def resolve_device(device: str | None) -> torch.device:
+    name = device or "cpu"
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise UserError(f"model.device {name!r} is not a device: use cpu, cuda, cuda:N or auto") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"model.device={name} but torch sees no GPU: use model.device=cpu (or auto)")
+    return dev
+
+
+def resolve_precision(precision: str, candidates: list[str], args: LlamaArgs, device: torch.device) -> tuple[str, dict]:
+    """`auto` -> the candidate whose layer matrices measure fastest here (a plain step plus an 8-row
+    tree); returns the choice and the measured costs (empty when the precision was given)."""
+    check_precision(precision)
+    if precision != "auto":
+        return precision, {}
+    from components.model.kernels import precision_costs
+    costs = precision_costs(args, candidates, device, cache_dir())
+    return min(costs, key=costs.get), costs
+
+
+def _materialize(model: torch.nn.Module, device: torch.device):
+    """Give every parameter / buffer still on the meta device real (uninitialised) storage."""
+    for mod in model.modules():
+        for name, t in list(mod._parameters.items()):
+            if t is not None and t.is_meta:
+                mod._parameters[name] = torch.nn.Parameter(torch.empty_like(t, device=device), requires_grad=False)
+        for name, t in list(mod._buffers.items()):
+            if t is not None and t.is_meta:
+                mod._buffers[name] = torch.empty_like(t, device=device)
+
+
+def assemble(args: LlamaArgs, weights: dict[str, torch.Tensor], q4: Q4, precision: str, device: torch.device,
+             wqkv0: torch.Tensor, optimize: bool = True) -> Transformer:
+    """Our Transformer from float32 `weights` (our names and layout) and 4-bit matrices `q4`, in
+    `precision` (float32 / bfloat16 / q4) on `device`. Its fingerprint is taken from the float32
+    weights as loaded (wqkv0: layer 0's q/k/v [in, out]), so heads trained in one precision load in
+    every other."""
+    from components.model.linear import Int4
     with torch.device("meta"):
         model = Transformer(args)
-    model = model.to_empty(device="cpu")
-    model.load_state_dict(weights, strict=True)
-    model.inv_freq = rope_inv_freq(args).float()  # buffers are not in the state dict
-    return model.to(dtype).eval().requires_grad_(False).optimize_for_decoding(cache_dir())
+    for name, (codes, scale, zero) in q4.items():
+        layer, mat = name.split(".")[1:]
+        setattr(model.layers[int(layer)], mat, Int4(codes, scale, zero, device=device))
+    _materialize(model, device)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = {m for m in missing if m.rsplit(".", 1)[0] not in q4}  # the Int4 modules came built
+    if missing or unexpected:
+        raise RuntimeError(f"weights do not fit the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    model.inv_freq = rope_inv_freq(args).float().to(device)  # buffers are not in the state dict
+    model.source_fingerprint = fingerprint_of(args, wqkv0, weights["tok_embeddings.weight"])
+    dtype = torch.float32 if precision == "float32" else torch.bfloat16
+    model = model.to(dtype).eval().requires_grad_(False)
+    return model.optimize_for_decoding(cache_dir()) if optimize else model
 
 
-def parse_dtype(dtype: str) -> torch.dtype:
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise UserError(f"model.dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    return getattr(torch, dtype)
+def quantize_matrices(weights: dict[str, torch.Tensor], args: LlamaArgs) -> Q4:
+    """Move every layer matrix of `weights` ([in, out] float) into 4-bit groups (min/max per group of
+    32, as ggml's Q4_1 quantizes): `q4` for checkpoints that ship float weights."""
+    from components.model.linear import quantize_q4
+    return {f"layers.{i}.{n}": quantize_q4(weights.pop(f"layers.{i}.{n}.weight").t())
+            for i in range(args.n_layers) for n in Block.MATRICES}
+
+
+def build(args: LlamaArgs, weights: dict[str, torch.Tensor], precision: str = "float32", device: str = "cpu",
+          optimize: bool = True) -> Transformer:
+    """A Transformer from float32 weights in our layout (`convert_hf_state_dict`), in `precision`."""
+    weights = dict(weights)
+    wqkv0 = weights["layers.0.wqkv.weight"]
+    q4 = quantize_matrices(weights, args) if check_precision(precision) == "q4" else {}
+    return assemble(args, weights, q4, "float32" if precision == "auto" else precision, resolve_device(device),
+                    wqkv0, optimize)
 
 
 def _load_tokenizer(source: Path, gguf_file: str | None):
@@ -97,40 +189,60 @@ def _load_tokenizer(source: Path, gguf_file: str | None):
     return AutoTokenizer.from_pretrained(source)
 
 
-def _gguf_cache(path: Path) -> Path:
-    """Convert a GGUF once into our layout; return the cache folder (weights, args, tokenizer)."""
-    st = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cdir = cache_dir() / f"{path.stem}-{key}"
-    if (cdir / "weights.safetensors").is_file():
+def content_key(path: Path) -> str:
+    """A digest of the file's bytes (about 0.2 s for 100 MB): the same file in any clone, venv or
+    path shares one cache entry; a changed file gets a new one."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha1").hexdigest()[:16]
+
+
+def _gguf_tokenizer_dir(path: Path) -> Path:
+    """The GGUF's tokenizer, converted once (transformers builds it from the file's metadata)."""
+    cdir = cache_dir() / f"{path.stem}-{content_key(path)}-tokenizer"
+    if (cdir / "tokenizer_config.json").is_file():
         return cdir
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    args = LlamaArgs.from_hf_config(hf.config)
-
-    def build(tmp: Path):
-        tmp.mkdir(parents=True)
-        save_file(convert_hf_state_dict(hf.state_dict(), args), tmp / "weights.safetensors")
-        (tmp / "args.json").write_text(json.dumps(asdict(args)))
-        _load_tokenizer(path.parent, path.name).save_pretrained(tmp)
-
     try:
-        atomic_write(cdir, build)
+        atomic_write(cdir, lambda tmp: _load_tokenizer(path.parent, path.name).save_pretrained(tmp))
     except OSError:
-        if not (cdir / "weights.safetensors").is_file():
+        if not (cdir / "tokenizer_config.json").is_file():
             raise  # not a lost race (another process's identical copy): a real failure
     return cdir
 
 
-def _from_gguf(path: Path) -> tuple[LlamaArgs, dict, object]:
-    cdir = _gguf_cache(path)
-    args = LlamaArgs(**json.loads((cdir / "args.json").read_text()))
-    return args, load_file(cdir / "weights.safetensors"), _load_tokenizer(cdir, None)
+def _from_gguf(path: Path, precision: str, device: torch.device) -> tuple[Transformer, object, dict]:
+    from components.model import gguf
+    f = gguf.GGUFFile(path)
+    args = f.args()
+    layers = [f.matrices(args, i) for i in range(args.n_layers)]
+    four_bit = all(t.kind in ("Q4_0", "Q4_1") for parts in layers for ps in parts.values() for t, _ in ps)
+    precision, costs = resolve_precision(precision, ["float32", "bfloat16"] + ["q4"] * four_bit, args, device)
+    weights = {"tok_embeddings.weight": f.vector("token_embd.weight"), "norm.weight": f.vector("output_norm.weight")}
+    weights["lm_head"] = (weights["tok_embeddings.weight"] if args.tie_embeddings else f.vector("output.weight")).t()
+    q4: Q4 = {}
+    for i, parts in enumerate(layers):
+        p, b = f"layers.{i}.", f"blk.{i}."
+        weights[p + "attn_norm.weight"] = f.vector(b + "attn_norm.weight")
+        weights[p + "mlp_norm.weight"] = f.vector(b + "ffn_norm.weight")
+        if args.qkv_bias:
+            weights[p + "bqkv"] = torch.cat([f.vector(b + f"attn_{n}.bias")[o] if o is not None else f.vector(b + f"attn_{n}.bias")
+                                             for n, (_, o) in zip("qkv", parts["wqkv"])])
+        if args.o_bias:
+            weights[p + "bo"] = f.vector(b + "attn_output.bias")
+        for n, ps in parts.items():
+            blocks = gguf.blocks(ps) if precision == "q4" else None
+            if blocks is not None:
+                q4[p + n] = (blocks.codes, blocks.scale, blocks.zero)
+            else:  # float modes, and a matrix the file does not ship in 4 bits: kept dense
+                weights[p + n + ".weight"] = gguf.dense(ps).t()
+    wqkv0 = weights.get("layers.0.wqkv.weight")
+    wqkv0 = gguf.dense(layers[0]["wqkv"]).t() if wqkv0 is None else wqkv0
+    model = assemble(args, weights, q4, precision, device, wqkv0)
+    return model, _load_tokenizer(_gguf_tokenizer_dir(path), None), costs
 
 
-def _from_hf_folder(path: Path) -> tuple[LlamaArgs, dict, object]:
+def _from_hf_folder(path: Path, precision: str, device: torch.device) -> tuple[Transformer, object, dict]:
     from transformers import AutoConfig
     files = sorted(path.glob("*.safetensors"))
     if not (path / "config.json").is_file() or not files:
@@ -139,27 +251,34 @@ def _from_hf_folder(path: Path) -> tuple[LlamaArgs, dict, object]:
     sd: dict[str, torch.Tensor] = {}
     for f in files:
         sd.update({k: v.float() for k, v in load_file(f).items()})
-    return args, convert_hf_state_dict(sd, args), _load_tokenizer(path, None)
+    precision, costs = resolve_precision(precision, ["float32", "bfloat16"], args, device)
+    return build(args, convert_hf_state_dict(sd, args), precision, device), _load_tokenizer(path, None), costs
 
 
-def from_pretrained(path: str | None = None, dtype: str = "float32", max_seq_len: int | None = None,
-                    name: str = "smollm2_135m") -> Backbone:
+def from_pretrained(path: str | None = None, precision: str = "auto", max_seq_len: int | None = None,
+                    name: str = "smollm2_135m", device: str = "cpu") -> Backbone:
     """path: a .gguf file, a Hugging Face folder, or None for the default SmolLM2-135M-Instruct GGUF."""
-    torch_dtype = parse_dtype(dtype)
+    check_precision(precision)
+    dev = resolve_device(device)
     p = smollm2_gguf() if path is None else Path(path).expanduser()
     if not p.exists():
         raise UserError(f"model path {p} does not exist: pass model.path=<HF folder or .gguf file>")
-    args, weights, tok = _from_gguf(p) if p.suffix == ".gguf" else _from_hf_folder(p)
+    if p.suffix == ".gguf":
+        model, tok, costs = _from_gguf(p, precision, dev)
+    else:
+        model, tok, costs = _from_hf_folder(p, precision, dev)
     if max_seq_len:
-        args.max_seq_len = max_seq_len
-    return Backbone(build(args, weights, torch_dtype), tok, name)
+        model.args.max_seq_len = max_seq_len
+    return Backbone(model, tok, name, precision_costs=costs)
 
 
 def tiny(dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2, hidden_dim: int = 128,
-         max_seq_len: int = 2048, seed: int = 0, dtype: str = "float32", qkv_bias: bool = False,
-         tie_embeddings: bool = True, rope_theta: float = 10000.0, name: str = "tiny") -> Backbone:
+         max_seq_len: int = 2048, seed: int = 0, precision: str = "float32", qkv_bias: bool = False,
+         tie_embeddings: bool = True, rope_theta: float = 10000.0, name: str = "tiny", device: str = "cpu") -> Backbone:
     """A small random-weight Llama that shares the default model's tokenizer (so prompts, chat
-    templates and streaming behave as with the real one)."""
+    templates and streaming behave as with the real one). `precision=auto` is float32 here: its
+    matrices are too small for any other to pay."""
+    check_precision(precision)
     tok = from_pretrained_tokenizer()
     args = LlamaArgs(vocab_size=len(tok), dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
                      head_dim=dim // n_heads, hidden_dim=hidden_dim, rope_theta=rope_theta, qkv_bias=qkv_bias,
@@ -175,9 +294,10 @@ def tiny(dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2
                 prm.copy_(torch.randn(prm.shape, generator=g) * (0.5 if "tok_embeddings" in n else 0.1))
         if tie_embeddings:
             model.tie_lm_head()
-    return Backbone(model.to(parse_dtype(dtype)).eval().requires_grad_(False), tok, name)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    return Backbone(build(args, weights, precision, device, optimize=False), tok, name)
 
 
 def from_pretrained_tokenizer():
-    """The default model's tokenizer alone (cached after the first conversion)."""
-    return _load_tokenizer(_gguf_cache(smollm2_gguf()), None)
+    """The default model's tokenizer alone (converted once per GGUF content)."""
+    return _load_tokenizer(_gguf_tokenizer_dir(smollm2_gguf()), None)

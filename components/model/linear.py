@@ -1,0 +1,85 @@
+"""The backbone's weight matrices, one class per storage: `Dense` (float32 / bfloat16, [in, out] with an
+optional [out, in] copy for the multi-row kernels of components/model/kernels.py) and `Int4` (4-bit
+codes in groups of 32 with a scale and a zero per group, torch's weight-only int4 kernels, bfloat16
+activations).
+
+Both are batch-invariant where it matters: the int4 kernels and the bfloat16 products give a row
+the same bits whatever rows are computed with it (measured: scripts/kernel_invariance.py), so a
+tree's rows equal the plain steps they replace.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from components.model.kernels import matmul
+
+GROUP = 32
+
+
+class Dense(nn.Module):
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(in_features, out_features))  # [in, out]
+        self.weight_t: torch.Tensor | None = None
+
+    def make_transposed(self, enable: bool = True):
+        self.weight_t = self.weight.detach().t().contiguous() if enable else None
+
+    def forward(self, x: torch.Tensor, kernel: str = "xw") -> torch.Tensor:
+        return matmul(x, self.weight, self.weight_t, kernel)
+
+    def dense(self) -> torch.Tensor:
+        return self.weight.detach()
+
+
+def quantize_q4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A float (out, in) matrix -> codes (out, in) in 0..15, scale and zero (out, in / group) float32,
+    w ~ (q - 8) * scale + zero: min/max per group, as ggml's Q4_1 quantizes (for checkpoints that do
+    not ship 4-bit blocks)."""
+    out, k = w.shape
+    g = w.float().view(out, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo) / 15
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    codes = ((g - lo[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8).view(out, k)
+    return codes, scale, lo + 8 * scale
+
+
+class Int4(nn.Module):
+    """w = (q - 8) * scale + zero, groups of `group` along the input dimension. The kernel keeps scale and
+    zero in bfloat16 (its only fast activation dtype on CPU): the one place a Q4_1 block's d and m + 8d
+    are rounded. Activations go in and come out in bfloat16."""
+
+    dtype = torch.bfloat16
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, device=None):
+        super().__init__()
+        out, k = codes.shape
+        self.in_features, self.out_features, self.group = k, out, k // scale.shape[1]
+        device = torch.device(device or "cpu")
+        sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()  # (in / group, out, 2)
+        self.register_buffer("scale_zeros", sz.to(device=device, dtype=self.dtype))
+        if device.type == "cpu":
+            packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        else:  # CUDA's tiled format: two codes a byte, even index in the high nibble
+            pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
+            packed = torch._convert_weight_to_int4pack(pairs, 8)
+        self.register_buffer("packed", packed)
+
+    def forward(self, x: torch.Tensor, kernel: str = "") -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).to(self.dtype)
+        if x2.device.type == "cpu":
+            y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scale_zeros)
+        else:
+            y = torch._weight_int4pack_mm(x2, self.packed, self.group, self.scale_zeros)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def dense(self) -> torch.Tensor:
+        """[in, out] float32 weights, as the kernel sees them (the identity through the kernel)."""
+        eye = torch.eye(self.in_features, dtype=self.dtype, device=self.packed.device)
+        return self(eye).float()
+
+    def make_transposed(self, enable: bool = True):
+        pass
