@@ -32,6 +32,7 @@ from pipeline.cli import CONF_DIR, check_overrides, compose_config, groups
 from pipeline.decode import first_divergence, gen_fields, run_requests, summarize
 from pipeline.errors import UserError, one_line_errors
 from pipeline.hf_peer import GENERATE_KNOBS, PEERS, HFPeer, to_hf
+from pipeline import llama_cpp_peer
 from pipeline.io import run_dir, write_json
 from pipeline.requests import encode, load_requests
 
@@ -72,8 +73,8 @@ def parse_entries(decodes) -> list[Entry]:
         if not parts:
             raise UserError("decodes holds an empty entry: give preset names, e.g. decodes=[greedy,tree_ngram]")
         name, overrides = parts[0], parts[1:]
-        if name not in known and name not in PEERS:
-            raise UserError(f"unknown decode {name!r} in decodes; known: {', '.join(known + sorted(PEERS))}")
+        if name not in known and name not in PEERS and name != "llama_cpp":
+            raise UserError(f"unknown decode {name!r} in decodes; known: {', '.join(known + sorted(PEERS))}, llama_cpp")
         label = " ".join(parts)
         if any(e.label == label for e in out):
             raise UserError(f"decodes lists {label!r} twice")
@@ -94,14 +95,19 @@ def common_overrides(cfg: DictConfig, given: list[str]) -> list[str]:
 
 def compose(entry: Entry, common: list[str]) -> DictConfig:
     """The decode config of one entry; a peer composes decode=greedy (model, max_new_tokens, seed)
-    and keeps its `generate` knobs out of it."""
-    peer = entry.name in PEERS
+    and keeps its `generate` knobs out of it. A transformers peer computes in a dense precision:
+    `auto` / `q4` become float32 for it (its fastest on CPU; `"hf_greedy model.dtype=bfloat16"`
+    measures the other)."""
+    peer = entry.name in PEERS or entry.name == "llama_cpp"
     own = [o for o in entry.overrides if not (peer and _key(o) in GENERATE_KNOBS)]
     overrides = [f"decode={'greedy' if peer else entry.name}", *common, *own]
     try:
-        return compose_config(overrides)
+        cfg = compose_config(overrides)
     except (HydraException, OmegaConfBaseException) as e:
         raise UserError(f"decodes entry {entry.label!r}: {e}") from e
+    if entry.name in PEERS and cfg.model.get("dtype") in ("auto", "q4"):
+        cfg.model.dtype = "float32"
+    return cfg
 
 
 def cli_overrides() -> list[str]:
@@ -124,6 +130,11 @@ def bench(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[dict, di
     if any(r.constraint for r in reqs):
         raise UserError("the bench does not apply per-request constraints (json_schema/regex/grammar): "
                         "remove them from the input lines")
+    if any(e.name == "llama_cpp" for e in entries) and not llama_cpp_peer.available():
+        print(f"bench: skipping llama_cpp: not installed ({llama_cpp_peer.INSTALL_HINT})", file=sys.stderr)
+        entries = [e for e in entries if e.name != "llama_cpp"]
+        if not entries:
+            raise UserError(f"nothing to benchmark: llama_cpp is not installed ({llama_cpp_peer.INSTALL_HINT})")
     pipes, backbones = build_pipelines(entries, common_overrides(cfg, given), reqs)
     for p in pipes:  # warm-up on one batch: first-call allocations, pool growth, lazy initialisation
         p.runner.run(p.prompts[:p.batch_size], p.seeds[:p.batch_size])  # stay out of the timing
@@ -157,7 +168,13 @@ def build_pipelines(entries: list[Entry], common: list[str], reqs) -> tuple[list
         if key not in backbones:
             backbones[key] = component(pcfg.model)
         bb = backbones[key]
-        if e.name in PEERS:
+        if e.name == "llama_cpp":
+            from components.model.load import smollm2_gguf
+            path = Path(pcfg.model.path).expanduser() if pcfg.model.get("path") else smollm2_gguf()
+            runner = llama_cpp_peer.LlamaCppPeer(path, bb.eos_ids, positive_int(pcfg, "max_new_tokens"),
+                                                 n_ctx=min(bb.model.args.max_seq_len, 4096),
+                                                 batch_size=positive_int(pcfg, "batch_size"))
+        elif e.name in PEERS:
             if key not in hf_models:
                 hf_models[key] = to_hf(bb)
             knobs = {**PEERS[e.name], **{_key(o): yaml.safe_load(o.split("=", 1)[1])
@@ -197,7 +214,9 @@ def pipeline_report(p: Pipeline, base: Pipeline, reqs) -> dict:
               "speedup": round(tps / base_tps, 3) if base_tps > 0 else None,
               "identical_to_baseline": all(x["identical"] for x in per_request),
               "batch_size": p.batch_size,
-              "model": p.backbone.name, "dtype": str(p.backbone.model.dtype).removeprefix("torch."),
+              **p.backbone.describe(),
+              **({"precision": "llama.cpp (the GGUF as shipped)", "sequential": True}
+                 if isinstance(p.runner, llama_cpp_peer.LlamaCppPeer) else {}),
               "mean_step_ms": rnd(statistics.mean(steps_ms) if steps_ms else None),
               "tree_step_ms": rnd(s["tree_step_ms"]), "plain_step_ms": rnd(s["plain_step_ms"]),
               "acceptance_by_depth": {d: round(v, 3) for d, v in s["acceptance_by_depth"].items()}}

@@ -222,7 +222,7 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
         items = [done.get(r.id) or fresh[r.id] for r in reqs if r.id in done or r.id in fresh]
         summary = summarize(list(fresh.values()), wall)  # speed of this run's requests
         summary.update(requests=len(items), finished_now=len(fresh), resumed=len(done), interrupted=interrupted,
-                       kv=engine.kv.stats())
+                       kv=engine.kv.stats(), **backbone.describe())
         if cfg.get("verify_lossless") and not interrupted:
             try:
                 summary.update(verify_lossless(engine, backbone, cfg, reqs, items))

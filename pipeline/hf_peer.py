@@ -35,7 +35,7 @@ def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
     a peer gets the layout a user loading the checkpoint would get, not our faster one."""
     a: LlamaArgs = model.args
     if model.precision == "q4":
-        raise UserError("the transformers peer needs dense weights: load the backbone with model.precision=float32 "
+        raise UserError("the transformers peer needs dense weights: load the backbone with model.dtype=float32 "
                         "or bfloat16")
     q_out, kv_out = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     ours = {n: t.detach() for n, t in model.named_parameters()}

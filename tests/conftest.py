@@ -61,7 +61,7 @@ def tiny_backbone():
 def real_backbone():
     """The real SmolLM2-135M-Instruct in float32, de-quantized from the GGUF (a few seconds)."""
     from components.model.load import from_pretrained
-    return from_pretrained(precision="float32")
+    return from_pretrained(dtype="float32")
 
 
 @pytest.fixture(scope="session")

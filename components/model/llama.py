@@ -99,7 +99,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # as transformers computes it: in fp32, normalised, cast back, then scaled
+        # as transformers computes it: in fp32, normalised, cast back, then scaled (row-local: a row's
+        # bits never depend on the other rows)
         xf = x.float()
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 

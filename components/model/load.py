@@ -1,7 +1,7 @@
 """Backbone loaders (group `model`): a GGUF file, a Hugging Face folder, or random tiny weights.
 
 Each returns a `Backbone`: our Transformer plus the tokenizer that came with the weights, in one of
-the precisions (`model.precision`):
+the precisions (`model.dtype`):
 - `float32`: the exact reference (equal to transformers on the same file);
 - `bfloat16`: weights and activations in bfloat16;
 - `q4`: the layer matrices as 4-bit groups (a GGUF's Q4_1 / Q4_0 blocks as shipped, mapped exactly
@@ -101,7 +101,7 @@ Q4 = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # "layers.{i}.{
 
 def check_precision(precision: str) -> str:
     if precision not in PRECISIONS:
-        raise UserError(f"model.precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        raise UserError(f"model.dtype must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     return precision
 
 
@@ -255,10 +255,11 @@ def _from_hf_folder(path: Path, precision: str, device: torch.device) -> tuple[T
     return build(args, convert_hf_state_dict(sd, args), precision, device), _load_tokenizer(path, None), costs
 
 
-def from_pretrained(path: str | None = None, precision: str = "auto", max_seq_len: int | None = None,
+def from_pretrained(path: str | None = None, dtype: str = "auto", max_seq_len: int | None = None,
                     name: str = "smollm2_135m", device: str = "cpu") -> Backbone:
-    """path: a .gguf file, a Hugging Face folder, or None for the default SmolLM2-135M-Instruct GGUF."""
-    check_precision(precision)
+    """path: a .gguf file, a Hugging Face folder, or None for the default SmolLM2-135M-Instruct GGUF.
+    dtype: the precision (auto | float32 | bfloat16 | q4)."""
+    precision = check_precision(dtype)
     dev = resolve_device(device)
     p = smollm2_gguf() if path is None else Path(path).expanduser()
     if not p.exists():
@@ -273,12 +274,12 @@ def from_pretrained(path: str | None = None, precision: str = "auto", max_seq_le
 
 
 def tiny(dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2, hidden_dim: int = 128,
-         max_seq_len: int = 2048, seed: int = 0, precision: str = "float32", qkv_bias: bool = False,
+         max_seq_len: int = 2048, seed: int = 0, dtype: str = "float32", qkv_bias: bool = False,
          tie_embeddings: bool = True, rope_theta: float = 10000.0, name: str = "tiny", device: str = "cpu") -> Backbone:
     """A small random-weight Llama that shares the default model's tokenizer (so prompts, chat
     templates and streaming behave as with the real one). `precision=auto` is float32 here: its
     matrices are too small for any other to pay."""
-    check_precision(precision)
+    precision = check_precision(dtype)
     tok = from_pretrained_tokenizer()
     args = LlamaArgs(vocab_size=len(tok), dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
                      head_dim=dim // n_heads, hidden_dim=hidden_dim, rope_theta=rope_theta, qkv_bias=qkv_bias,
@@ -286,8 +287,15 @@ def tiny(dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2
                      bos_token_id=tok.bos_token_id, eos_token_ids=[tok.eos_token_id])
     g = torch.Generator().manual_seed(seed)
     model = Transformer(args)
+    params = dict(model.named_parameters())
+    layer = ["wqkv.weight", "bqkv", "wo.weight", "bo", "w13.weight", "w2.weight", "attn_norm.weight", "mlp_norm.weight"]
+    order = ["lm_head", "tok_embeddings.weight",  # the order the weights are drawn in: fixed, so seed 0 stays one model
+             *(f"layers.{i}.{n}" for i in range(n_layers) for n in layer), "norm.weight"]
     with torch.no_grad():
-        for n, prm in model.named_parameters():
+        for n in order:
+            prm = params.get(n)
+            if prm is None:
+                continue
             if n.endswith("norm.weight"):
                 prm.copy_(1.0 + 0.1 * torch.randn(prm.shape, generator=g))
             else:
