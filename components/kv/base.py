@@ -13,7 +13,7 @@ class SequencePool(KVManager):
         """Shapes come from `backbone` (its model args and dtype) unless given one by one."""
         if backbone is not None:
             a = backbone.model.args
-            n_layers, n_kv_heads, head_dim, dtype = a.n_layers, a.n_kv_heads, a.head_dim, backbone.model.dtype
+            n_layers, n_kv_heads, head_dim, dtype = a.n_layers, a.n_kv_heads, a.head_dim, backbone.model.attn_dtype
         self.n_layers, self.n_kv, self.hs = n_layers, n_kv_heads, head_dim
         self.dtype = dtype or torch.float32
         self.slot_bytes = 2 * n_layers * n_kv_heads * head_dim * self.dtype.itemsize  # one token, all layers, K and V

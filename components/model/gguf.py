@@ -71,7 +71,10 @@ def _nibbles(qs: np.ndarray) -> torch.Tensor:
 def dequantize(t: RawTensor) -> torch.Tensor:
     """float32 weights (out, in), bit for bit what gguf-py's `dequantize` returns."""
     if t.kind in PLAIN:
-        return torch.from_numpy(np.array(t.data)).to(PLAIN[t.kind]).float().reshape(t.shape)
+        data = torch.from_numpy(np.array(t.data))
+        if data.dtype == torch.uint8:  # bfloat16 has no numpy dtype: its raw bytes
+            data = data.view(PLAIN[t.kind])
+        return data.to(PLAIN[t.kind]).float().reshape(t.shape)
     if t.kind == "Q8_0":
         b = _blocks(t, 2 + BLOCK)
         d = _f16(b[..., :2])  # (rows, blocks, 1)

@@ -30,24 +30,35 @@ def pad_rows(x2: torch.Tensor) -> torch.Tensor:
     return x2 if extra == 0 else torch.cat((x2, x2.new_zeros(extra, x2.shape[1])))
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None, kernel: str) -> torch.Tensor:
+def at_least(x2: torch.Tensor, rows: int) -> torch.Tensor:
+    """x2: (n, in) -> at least `rows` rows (zero rows appended): the product then takes the kernel's
+    multi-row path, whose bits for a row do not depend on the row count (see `min_invariant_rows`)."""
+    return x2 if x2.shape[0] >= rows else torch.cat((x2, x2.new_zeros(rows - x2.shape[0], x2.shape[1])))
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None, kernel: str, min_rows: int = 1) -> torch.Tensor:
     """x: (..., in) times the matrix stored as w (in, out) and, optionally, wt (out, in)."""
-    if kernel == "xw" or wt is None:
-        return x @ w
     x2 = x.reshape(-1, x.shape[-1])
-    if kernel == "linear":
+    n = x2.shape[0]
+    x2 = at_least(x2, min_rows)
+    if kernel == "xw" or wt is None:
+        y = x2 @ w
+    elif kernel == "linear":
         y = F.linear(x2, wt)
     else:
         y = torch.mm(wt, pad_rows(x2).t())[:, :x2.shape[0]].t()  # (rows, out)
-    return y.reshape(*x.shape[:-1], wt.shape[0])
+    return y[:n].reshape(*x.shape[:-1], y.shape[-1])
 
 
 class KernelPlan:
-    """bucket -> kernel, for the layer matrices and for the LM head."""
+    """bucket -> kernel, for the layer matrices and for the LM head; and the fewest rows each product
+    is computed with (`min_rows`: 2 where the one-row path gives other bits than the multi-row one)."""
 
-    def __init__(self, layers: dict[int, str] | None = None, head: dict[int, str] | None = None):
+    def __init__(self, layers: dict[int, str] | None = None, head: dict[int, str] | None = None,
+                 min_rows: dict[str, int] | None = None):
         self.layers = {int(k): v for k, v in (layers or {}).items()}
         self.head = {int(k): v for k, v in (head or {}).items()}
+        self.min_rows = {"layers": 1, "head": 1, **(min_rows or {})}
 
     @staticmethod
     def bucket(rows: int) -> int:
@@ -70,26 +81,72 @@ def _time(fn, reps: int = 2) -> float:
     return best
 
 
+ONE_KERNEL_BUCKETS = (1, 2, 4, 8, 16)  # the row counts of decode steps and trees that the choice weighs
+
+
+def single(times: dict[int, dict[str, float]], kernels: tuple[str, ...]) -> str:
+    """The one kernel with the least total time over the decode-sized buckets."""
+    return min(kernels, key=lambda k: sum(times[b][k] for b in ONE_KERNEL_BUCKETS))
+
+
 @torch.inference_mode()
 def measure(model) -> KernelPlan:
-    """Time every kernel at every bucket on the model's own matrices (a few seconds for SmolLM2)."""
+    """Time every kernel at every bucket on the model's own matrices (a few seconds for SmolLM2).
+
+    float32 takes the fastest kernel per bucket: its products are not batch-invariant under any
+    kernel (a row's last bits depend on the row count), so mixing kernels costs nothing more there.
+    bfloat16 products are batch-invariant within one kernel (scripts/kernel_invariance.py), and a
+    tree's rows must get the bits of the plain steps they replace: one kernel for every row count,
+    and the padded one (which changes the product's shape with the row count) is not a candidate."""
     from components.model.linear import Dense
     mats = [(m.weight, m.weight_t) for b in model.layers for m in b.matrices() if isinstance(m, Dense)]
-    head = (model.lm_head, model.tok_embeddings.weight if model.args.tie_embeddings else model.lm_head_t)
-    plan = KernelPlan()
+    head_mats = head = (model.lm_head, model.tok_embeddings.weight if model.args.tie_embeddings else model.lm_head_t)
+    plan, per_bucket = KernelPlan(), {}
     for rows in BUCKETS:
         xs = [torch.randn(rows, w.shape[0], dtype=w.dtype) for w, _ in mats]
         h = torch.randn(rows, head[0].shape[0], dtype=head[0].dtype)
         head_t = {k: _time(lambda k=k: matmul(h, head[0], head[1], k)) for k in KERNELS}
-        if mats:  # q4 layers have one kernel
-            layer_t = {k: _time(lambda k=k: [matmul(x, w, wt, k) for x, (w, wt) in zip(xs, mats)]) for k in KERNELS}
-            plan.layers[rows] = min(layer_t, key=layer_t.get)
-        plan.head[rows] = min(head_t, key=head_t.get)
-    return plan
+        layer_t = {k: _time(lambda k=k: [matmul(x, w, wt, k) for x, (w, wt) in zip(xs, mats)])
+                   for k in KERNELS} if mats else {}  # q4 layers have one kernel
+        per_bucket[rows] = (layer_t, head_t)
+    if model.dtype == torch.float32:
+        for rows, (layer_t, head_t) in per_bucket.items():
+            if layer_t:
+                plan.layers[rows] = min(layer_t, key=layer_t.get)
+            plan.head[rows] = min(head_t, key=head_t.get)
+        return plan
+    invariant = ("xw", "linear")
+    head = single({b: h for b, (_, h) in per_bucket.items()}, invariant)
+    layer = single({b: l for b, (l, _) in per_bucket.items()}, invariant) if mats else "xw"
+    buckets = (*BUCKETS, 0)  # 0: more rows than the last bucket (prompts) take the same kernel
+    dt = model.dtype
+    min_rows = {"head": min_invariant_rows(lambda x: matmul(x, *head_mats, head), head_mats[0].shape[0], dt)}
+    probes = [min_invariant_rows(lambda x, m=m: m(x, layer), m.in_features, dt) for m in model.layers[0].matrices()]
+    min_rows["layers"] = 0 if 0 in probes else max(probes)
+    return KernelPlan({b: layer for b in buckets}, {b: head for b in buckets}, min_rows)
+
+
+PROBE_GROUPS = (1, 2, 3, 4, 8, 16, 32, 64)
+
+
+@torch.inference_mode()
+def min_invariant_rows(fn, k: int, dtype: torch.dtype, device=None) -> int:
+    """The fewest rows from which `fn` (a product on (rows, k) inputs) gives every row the same bits
+    whatever number of rows it is computed with: 64 random rows, computed in groups of 1, 2, 3, 4,
+    8, 16, 32 and all 64, compared bit for bit. 1: batch-invariant; 2: the one-row path differs
+    (oneDNN's bfloat16 gemv with a long inner dimension does, measured); 0: no invariance found."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(PROBE_GROUPS[-1], k, generator=g).to(device=device, dtype=dtype)
+    outs = {r: torch.cat([fn(x[i:i + r]) for i in range(0, len(x), r)]) for r in PROBE_GROUPS}
+    ref = outs[PROBE_GROUPS[-1]]
+    for m in PROBE_GROUPS:
+        if all(torch.equal(outs[r], ref) for r in PROBE_GROUPS if r >= m):
+            return m if m <= 2 else 0  # beyond 2 rows, padding every product would cost too much
+    return 0
 
 
 def machine_key(model) -> str:
-    """CPU model and features, torch version and threads, model shapes and dtype."""
+    """CPU model and features, torch version and threads, model shapes and precision, plan version."""
     cpu = ""
     if Path("/proc/cpuinfo").is_file():
         info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
@@ -97,7 +154,7 @@ def machine_key(model) -> str:
     a = model.args
     parts = [cpu or platform.processor(), torch.__version__, str(torch.get_num_threads()),
              torch.backends.cpu.get_cpu_capability(), f"{a.n_layers}x{a.dim}x{a.hidden_dim}x{a.vocab_size}",
-             model.precision, str(a.tie_embeddings)]
+             model.precision, str(a.tie_embeddings), "plan-v3"]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -117,7 +174,7 @@ def plan_for(model, cache: Path | None) -> KernelPlan:
     plan = measure(model)
     if path is not None:
         from pipeline.core import atomic_write
-        atomic_write(path, json.dumps({"layers": plan.layers, "head": plan.head}))
+        atomic_write(path, json.dumps({"layers": plan.layers, "head": plan.head, "min_rows": plan.min_rows}))
     return plan
 
 

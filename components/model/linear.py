@@ -3,16 +3,18 @@ optional [out, in] copy for the multi-row kernels of components/model/kernels.py
 codes in groups of 32 with a scale and a zero per group, torch's weight-only int4 kernels, bfloat16
 activations).
 
-Both are batch-invariant where it matters: the int4 kernels and the bfloat16 products give a row
-the same bits whatever rows are computed with it (measured: scripts/kernel_invariance.py), so a
-tree's rows equal the plain steps they replace.
+In the bfloat16 and q4 modes a row must get the same bits whatever rows are computed with it, so
+that a tree's rows equal the plain steps they replace. The int4 kernel is invariant as measured
+here; oneDNN's bfloat16 product is invariant from two rows on, its one-row path (a gemv) is not
+for a long inner dimension: `min_rows` (probed per machine, components/model/kernels.py) pads a
+single row to two where needed.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from components.model.kernels import matmul
+from components.model.kernels import at_least, matmul
 
 GROUP = 32
 
@@ -23,12 +25,13 @@ class Dense(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(in_features, out_features))  # [in, out]
         self.weight_t: torch.Tensor | None = None
+        self.min_rows = 1  # set by Transformer.optimize_for_decoding from the machine's probe
 
     def make_transposed(self, enable: bool = True):
         self.weight_t = self.weight.detach().t().contiguous() if enable else None
 
     def forward(self, x: torch.Tensor, kernel: str = "xw") -> torch.Tensor:
-        return matmul(x, self.weight, self.weight_t, kernel)
+        return matmul(x, self.weight, self.weight_t, kernel, self.min_rows)
 
     def dense(self) -> torch.Tensor:
         return self.weight.detach()
@@ -67,14 +70,17 @@ class Int4(nn.Module):
             pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
             packed = torch._convert_weight_to_int4pack(pairs, 8)
         self.register_buffer("packed", packed)
+        self.min_rows = 1
 
     def forward(self, x: torch.Tensor, kernel: str = "") -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).to(self.dtype)
+        n = x2.shape[0]
+        x2 = at_least(x2, self.min_rows)
         if x2.device.type == "cpu":
             y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scale_zeros)
         else:
             y = torch._weight_int4pack_mm(x2, self.packed, self.group, self.scale_zeros)
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y[:n].view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def dense(self) -> torch.Tensor:
         """[in, out] float32 weights, as the kernel sees them (the identity through the kernel)."""

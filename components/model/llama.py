@@ -122,7 +122,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     scores = (qg @ k.transpose(-1, -2)).mul_(1.0 / math.sqrt(hs))  # (B, nkv, g T, S)
     if bias is not None:
         scores = (scores.view(B, nkv, g, T, S) + bias.unsqueeze(1)).view(B, nkv, g * T, S)
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    probs = torch.softmax(scores if scores.dtype == torch.float64 else scores.float(), dim=-1).to(v.dtype)
     return (probs @ v).view(B, nh, T, hs)
 
 
@@ -182,6 +182,16 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight.dtype
 
     @property
+    def attn_dtype(self) -> torch.dtype:
+        """The KV cache's and the cached attention's dtype. float32 models attend in float32. The
+        bfloat16 and q4 modes attend in float64: attention sums over a length that differs between
+        a plain step, a tree (masked siblings between a row's ancestors) and a padded batch, and no
+        kernel keeps a row's bits across those; in float64 the differences (~1e-16 relative) are
+        far below what rounding the result to bfloat16 can reveal, so a tree row gets the bfloat16
+        bits of the plain step it replaces (measured: scripts/kernel_invariance.py)."""
+        return torch.float32 if self.dtype == torch.float32 else torch.float64
+
+    @property
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
 
@@ -227,8 +237,11 @@ class Transformer(nn.Module):
         B, T, R = len(batch.seqs), batch.width, batch.rows
         gqa = self.args.n_kv_heads != self.args.n_heads
 
+        adt, xdt = self.attn_dtype, x.dtype
+
         def attend(layer, q, k, v):  # q: (1, R, nh, hs); k, v: (1, R, nkv, hs)
-            K, V = kv.update(layer, k[0], v[0], batch)  # (B, nkv, S, hs): cached + these rows
+            K, V = kv.update(layer, k[0].to(adt), v[0].to(adt), batch)  # (B, nkv, S, hs): cached + these rows
+            q = q.to(adt)
             if B == 1:
                 qb = q.transpose(1, 2)  # (1, nh, R, hs)
             else:  # rows -> the padded (B, T) layout
@@ -241,7 +254,7 @@ class Transformer(nn.Module):
                 y = F.scaled_dot_product_attention(qb, K, V, attn_mask=batch.bias, enable_gqa=gqa)
             else:
                 y = attention(qb, K, V, batch.bias)
-            y = y.transpose(1, 2).reshape(B * T, -1)  # (B T, nh hs)
+            y = y.transpose(1, 2).reshape(B * T, -1).to(xdt)  # (B T, nh hs)
             return (y if B == 1 else y[batch.row_index])[None]  # (1, R, nh hs)
 
         kv.begin_step(batch)
@@ -255,7 +268,8 @@ class Transformer(nn.Module):
         (tied models also hold the head as [vocab, dim]: the embedding)."""
         rows = hidden.numel() // hidden.shape[-1]
         wt = self.tok_embeddings.weight if self.args.tie_embeddings else getattr(self, "lm_head_t", None)
-        return matmul(hidden, self.lm_head, wt, self.layers[0].plan.lm_head(rows) if self.layers else "xw").float()
+        plan = self.layers[0].plan if self.layers else KernelPlan()
+        return matmul(hidden, self.lm_head, wt, plan.lm_head(rows), plan.min_rows["head"]).float()
 
     def optimize_for_decoding(self, cache=None):
         """Trade memory for multi-row speed: transposed weight copies, and the fastest kernel per row
@@ -269,6 +283,8 @@ class Transformer(nn.Module):
         plan = plan_for(self, cache)
         for blk in self.layers:
             blk.plan = plan
+            for m in blk.matrices():
+                m.min_rows = max(plan.min_rows["layers"], 1)
         return self
 
     @torch.no_grad()

@@ -42,9 +42,19 @@ class Backbone:
     def precision(self) -> str:
         return self.model.precision
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a row's bits are independent of the rows computed with it (then speculation is
+        lossless by construction; float32 is lossless in practice, a near-tie could flip)."""
+        m = self.model
+        if m.precision == "float32" or not m.layers:
+            return False
+        return all(v > 0 for v in m.layers[0].plan.min_rows.values())
+
     def describe(self) -> dict:
         """What results.json / bench.json record of the backbone."""
-        out = {"model": self.name, "precision": self.precision, "device": str(self.model.device)}
+        out = {"model": self.name, "precision": self.precision, "device": str(self.model.device),
+               "batch_invariant": self.batch_invariant}
         if self.precision_costs:
             out["precision_auto"] = {"chosen": self.precision, "layer_matrices_ms": self.precision_costs}
         return out

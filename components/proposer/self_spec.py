@@ -52,7 +52,7 @@ class SelfSpecProposer(Proposer):
                 break
             step = StepBatch.build([s.seq for s, _ in live], [torch.tensor([c.tok]) for _, c in live],
                                    [None] * len(live), [None] * len(live), [kv.used(s.seq) for s, _ in live],
-                                   model.dtype)
+                                   model.attn_dtype)
             top = model.logits(model.step(step, kv, self.layers)).softmax(-1).topk(self.width)  # (B, width)
             for (_, c), ids, ps in zip(live, top.indices.tolist(), top.values.tolist()):
                 if ps[0] < self.min_prob and d > 0:  # the draft is unsure: stop the chain here

@@ -32,7 +32,7 @@ def forward_rows(model, kv, seq: int, tokens: torch.Tensor, depths: torch.Tensor
                  mask: torch.Tensor | None = None, layers: list[int] | None = None) -> torch.Tensor:
     """One sequence's forward: tokens (n,) after the slots it holds (a prompt block when depths and
     mask are None, else a tree). Returns hidden (n, dim); the rows become tentative slots."""
-    step = StepBatch.build([seq], [tokens], [depths], [mask], [kv.used(seq)], model.dtype)
+    step = StepBatch.build([seq], [tokens], [depths], [mask], [kv.used(seq)], model.attn_dtype)
     return model.step(step, kv, layers)
 
 
@@ -137,7 +137,7 @@ class Engine:
                                 torch.Generator().manual_seed(seed), t0))
             live.append(joined[-1])
         step = StepBatch.build([s.seq for s in joined], [torch.tensor(s.tokens) for s in joined],
-                               [None] * len(joined), [None] * len(joined), [0] * len(joined), self.model.dtype)
+                               [None] * len(joined), [None] * len(joined), [0] * len(joined), self.model.attn_dtype)
         h = self.model.step(step, self.kv)  # (R, dim): every prompt position of every joining request
         last = [o - 1 for o in step.offsets[1:]]
         p = self.target(self.model.logits(h[last]), input_ids=lambda: [s.tokens for s in joined])
@@ -192,7 +192,7 @@ class Engine:
         step = StepBatch.build([s.seq for s in live], [tr.tokens for tr in trees],
                                [None if tr.size == 1 else tr.depth for tr in trees],
                                [None if tr.size == 1 else tr.mask for tr in trees],
-                               [kv.used(s.seq) for s in live], model.dtype)
+                               [kv.used(s.seq) for s in live], model.attn_dtype)
         h = model.step(step, kv)  # (R, dim)
         p = self.target(model.logits(h), input_ids=lambda: _contexts(live, trees))
         committed = []
