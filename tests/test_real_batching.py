@@ -1,22 +1,39 @@
-"""The issue's invariant on the real model, float32: on the 24 benchmark prompts x 64 tokens, greedy
-and every tree preset give the tokens of plain greedy decoding with kv=paged and kv=contiguous, and
-with batch_size=8 and batch_size=1 (every preset runs with each KV manager and each batch size)."""
+"""The lossless invariant on the real model, in every precision: on the 24 benchmark prompts x 64
+tokens, greedy at batch 8 and every tree preset give the tokens of plain greedy decoding (batch 1)
+in the same precision, with kv=paged and kv=contiguous, with batch_size=8 and batch_size=1.
+
+float32 runs every preset with both KV managers and both batch sizes; bfloat16 and q4, whose
+products are batch-invariant (components/model/linear.py), run a cross-section (bfloat16 on the
+first 12 prompts)."""
 from __future__ import annotations
 
 import pytest
 
+from components.model.load import from_pretrained
 from pipeline.bench import DEFAULT_INPUT
 from pipeline.build import build_engine
 from pipeline.requests import encode, load_requests
 
 from conftest import compose_config
 
-# Each preset runs with both KV managers and both batch sizes (two runs each, crossed); greedy on
-# contiguous at batch 1 is the reference they all must equal.
-RUNS = [("greedy", "paged", 8), ("greedy", "contiguous", 8),
-        ("tree_ngram", "contiguous", 1), ("tree_ngram", "paged", 8),
-        ("tree_medusa", "paged", 1), ("tree_medusa", "contiguous", 8),
-        ("self_spec", "contiguous", 8), ("self_spec", "paged", 1)]
+RUNS = [("float32", "greedy", "paged", 8), ("float32", "tree_ngram", "contiguous", 1),
+        ("float32", "tree_ngram", "paged", 8), ("float32", "tree_medusa", "paged", 1),
+        ("float32", "tree_medusa", "contiguous", 8), ("float32", "self_spec", "contiguous", 8),
+        ("q4", "greedy", "paged", 8), ("q4", "tree_ngram", "contiguous", 1),
+        ("q4", "tree_medusa", "paged", 8), ("q4", "self_spec", "contiguous", 1),
+        ("bfloat16", "greedy", "contiguous", 8), ("bfloat16", "tree_medusa", "paged", 1)]
+PROMPTS = {"float32": 24, "q4": 24, "bfloat16": 12}  # bfloat16 is the slowest mode on one test thread
+
+_backbones: dict = {}
+_reference: dict = {}
+
+
+def backbone(dtype: str, real_backbone):
+    if dtype == "float32":
+        return real_backbone
+    if dtype not in _backbones:
+        _backbones[dtype] = from_pretrained(dtype=dtype)
+    return _backbones[dtype]
 
 
 @pytest.fixture(scope="module")
@@ -24,21 +41,30 @@ def bench_prompts(real_backbone):
     return [encode(real_backbone.tokenizer, r, True) for r in load_requests(str(DEFAULT_INPUT), None)]
 
 
-@pytest.fixture(scope="module")
-def plain_greedy(real_backbone, bench_prompts):
-    engine, _ = build_engine(compose_config(["decode=greedy", "max_new_tokens=64"]), real_backbone)
-    return [g.token_ids for g in engine.run(bench_prompts)]
+def plain_greedy(bb, dtype: str, prompts) -> list[list[int]]:
+    """Greedy on contiguous KV at batch 1 in this precision: the reference every run must equal."""
+    if len(_reference.get(dtype, ())) != len(prompts):
+        engine, _ = build_engine(compose_config(["decode=greedy", "max_new_tokens=64", f"model.dtype={dtype}"]), bb)
+        _reference[dtype] = [g.token_ids for g in engine.run(prompts)]
+    return _reference[dtype]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,kv,batch", RUNS)
-def test_bench_prompts_equal_plain_greedy(real_backbone, bench_prompts, plain_greedy, preset, kv, batch):
+@pytest.mark.parametrize("dtype,preset,kv,batch", RUNS)
+def test_bench_prompts_equal_plain_greedy(real_backbone, bench_prompts, dtype, preset, kv, batch):
     assert len(bench_prompts) == 24
-    cfg = compose_config([f"decode={preset}", f"kv={kv}", f"batch_size={batch}", "max_new_tokens=64"])
-    engine, _ = build_engine(cfg, real_backbone)
+    bench_prompts = bench_prompts[:PROMPTS[dtype]]
+    bb = backbone(dtype, real_backbone)
+    assert bb.precision == dtype
+    if dtype != "float32":
+        assert bb.batch_invariant, "the kernel probe found no batch-invariant path on this machine"
+    reference = plain_greedy(bb, dtype, bench_prompts)
+    cfg = compose_config([f"decode={preset}", f"kv={kv}", f"batch_size={batch}", "max_new_tokens=64",
+                          f"model.dtype={dtype}"])
+    engine, _ = build_engine(cfg, bb)
     gens = engine.run(bench_prompts)
-    diverged = [i for i, (g, r) in enumerate(zip(gens, plain_greedy)) if g.token_ids != r]
-    assert not diverged, f"{preset} kv={kv} batch_size={batch} diverges from plain greedy on requests {diverged}"
+    diverged = [i for i, (g, r) in enumerate(zip(gens, reference)) if g.token_ids != r]
+    assert not diverged, f"{dtype} {preset} kv={kv} batch_size={batch} diverges from plain greedy on requests {diverged}"
     assert engine.kv.sequences == [] and engine.kv.stats()["bytes_in_use"] == 0
     if preset != "greedy":
         assert sum(g.steps for g in gens) < sum(len(g.token_ids) for g in gens), "no draft was ever accepted"

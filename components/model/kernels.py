@@ -59,6 +59,7 @@ class KernelPlan:
         self.layers = {int(k): v for k, v in (layers or {}).items()}
         self.head = {int(k): v for k, v in (head or {}).items()}
         self.min_rows = {"layers": 1, "head": 1, **(min_rows or {})}
+        self.probed = min_rows is not None  # invariance measured on this machine
 
     @staticmethod
     def bucket(rows: int) -> int:

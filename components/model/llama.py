@@ -100,15 +100,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # as transformers computes it: in fp32, normalised, cast back, then scaled (row-local: a row's
-        # bits never depend on the other rows)
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        # bits never depend on the other rows; one fused op for the normalisation)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, h, hs); cos/sin: (B, T, 1, hs). Half-split rotation (transformers' convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    """x: (B, T, h, hs); cos, sin: (B, T, 1, hs) from `Transformer.rope`, whose sin carries the sign of
+    the rotation: x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1), transformers'
+    half-split convention, as (x2, x1) * (-sin, sin) (the same bits: negation is exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -206,7 +206,9 @@ class Transformer(nn.Module):
         """positions: (B, T) -> cos, sin: (B, T, 1, hs)."""
         freqs = positions[..., None].float() * self.inv_freq  # (B, T, hs/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = emb.sin().to(dtype)
+        half = sin.shape[-1] // 2
+        return emb.cos().to(dtype), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None,
                 layers: list[int] | None = None) -> torch.Tensor:

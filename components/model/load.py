@@ -47,7 +47,7 @@ class Backbone:
         """Whether a row's bits are independent of the rows computed with it (then speculation is
         lossless by construction; float32 is lossless in practice, a near-tie could flip)."""
         m = self.model
-        if m.precision == "float32" or not m.layers:
+        if m.precision == "float32" or not m.layers or not m.layers[0].plan.probed:
             return False
         return all(v > 0 for v in m.layers[0].plan.min_rows.values())
 
