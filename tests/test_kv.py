@@ -25,7 +25,7 @@ SMALL = {"paged": ["kv.block_size=4", "kv.num_blocks=2"]}  # small blocks and po
 
 def fake_backbone():
     args = SimpleNamespace(n_layers=L, n_kv_heads=NKV, head_dim=HS)
-    return SimpleNamespace(model=SimpleNamespace(args=args, dtype=torch.float32))
+    return SimpleNamespace(model=SimpleNamespace(args=args, attn_dtype=torch.float32, device=torch.device("cpu")))
 
 
 def make(option: str, backbone=None, extra=()):
@@ -222,7 +222,7 @@ def test_paged_forks_share_the_prompt():
     """Four sequences forked from one 500-token prompt, each then decoding 20 tokens of its own,
     hold less than 1.3x the bytes of one sequence; the shared partly filled block is copied on write."""
     bb = SimpleNamespace(model=SimpleNamespace(args=SimpleNamespace(n_layers=30, n_kv_heads=3, head_dim=64),
-                                               dtype=torch.float32))
+                                               attn_dtype=torch.float32, device=torch.device("cpu")))
     kv = make("paged", bb, ["kv.block_size=16", "kv.num_blocks=64"])
     root = kv.create()
     batch = StepBatch.build([root], [torch.zeros(500, dtype=torch.long)], [None], [None], [0])

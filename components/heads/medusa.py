@@ -134,7 +134,7 @@ class MedusaHeads(nn.Module):
             raise UserError(f"head checkpoint {path} does not match its own header: missing tensors "
                             f"{missing or 'none'}, unexpected {unexpected or 'none'}; re-export or retrain it")
         heads.info = info
-        return heads.eval().requires_grad_(False)
+        return heads.to(backbone.model.device).eval().requires_grad_(False)
 
 
 def draft_lm_weight(backbone, vocab_ids: torch.Tensor) -> torch.Tensor:

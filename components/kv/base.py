@@ -9,11 +9,14 @@ from pipeline.core import KVManager
 
 class SequencePool(KVManager):
     def __init__(self, backbone=None, n_layers: int | None = None, n_kv_heads: int | None = None,
-                 head_dim: int | None = None, dtype: torch.dtype | None = None):
-        """Shapes come from `backbone` (its model args and dtype) unless given one by one."""
+                 head_dim: int | None = None, dtype: torch.dtype | None = None, device=None):
+        """Shapes come from `backbone` (its model args, attention dtype and device) unless given one
+        by one. Index tensors are built on the host and moved once per step (`_dev`)."""
         if backbone is not None:
             a = backbone.model.args
             n_layers, n_kv_heads, head_dim, dtype = a.n_layers, a.n_kv_heads, a.head_dim, backbone.model.attn_dtype
+            device = backbone.model.device
+        self.device = torch.device(device or "cpu")
         self.n_layers, self.n_kv, self.hs = n_layers, n_kv_heads, head_dim
         self.dtype = dtype or torch.float32
         self.slot_bytes = 2 * n_layers * n_kv_heads * head_dim * self.dtype.itemsize  # one token, all layers, K and V
@@ -22,6 +25,9 @@ class SequencePool(KVManager):
         self._next = 0
         self._plan = None  # the current step's index tensors (begin_step .. end_step)
         self.peak_bytes = 0
+
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.device == self.device else t.to(self.device, non_blocking=True)
 
     def _new_id(self) -> int:
         seq, self._next = self._next, self._next + 1

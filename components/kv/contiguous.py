@@ -20,14 +20,14 @@ class ContiguousKV(SequencePool):
             raise ValueError(f"`kv.max_len` must be a positive int, got {max_len}")
         super().__init__(backbone, n_layers, n_kv_heads, head_dim, dtype)
         self.capacity = max_len
-        self.buf = torch.zeros(self.n_layers, 2, 0, self.n_kv, max_len, self.hs, dtype=self.dtype)
+        self.buf = torch.zeros(self.n_layers, 2, 0, self.n_kv, max_len, self.hs, dtype=self.dtype, device=self.device)
         self._slot: dict[int, int] = {}
         self._free: list[int] = []  # free slots, ascending
 
     # --- sequences -------------------------------------------------------------------------------
     def _grow(self, slots: int, capacity: int) -> None:
         old = self.buf
-        self.buf = torch.zeros(self.n_layers, 2, slots, self.n_kv, capacity, self.hs, dtype=self.dtype)
+        self.buf = torch.zeros(self.n_layers, 2, slots, self.n_kv, capacity, self.hs, dtype=self.dtype, device=self.device)
         self.buf[:, :, :old.shape[2], :, :old.shape[4]] = old
         self._free = sorted(self._free + list(range(old.shape[2], slots)))
         self.capacity = capacity
@@ -69,7 +69,7 @@ class ContiguousKV(SequencePool):
         wslot = torch.tensor(slots).repeat_interleave(torch.tensor(counts))  # (R,)
         wpos = torch.cat([s + torch.arange(n) for s, n in zip(step.starts, counts)])  # (R,)
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
-        self._plan = (None, wslot, wpos, None if consecutive else torch.tensor(slots))
+        self._plan = (None, self._dev(wslot), self._dev(wpos), None if consecutive else self._dev(torch.tensor(slots)))
 
     def update(self, layer, k, v, step):
         kb, vb = self.buf[layer, 0], self.buf[layer, 1]  # (slots, nkv, capacity, hs)
@@ -89,7 +89,7 @@ class ContiguousKV(SequencePool):
 
     def _move(self, seq, src, dst) -> None:
         row = self.buf[:, :, self._slot[seq]]  # (n_layers, 2, nkv, capacity, hs)
-        row[:, :, :, dst] = row.index_select(3, src)  # index_select copies: overlap is safe
+        row[:, :, :, self._dev(dst)] = row.index_select(3, self._dev(src))  # index_select copies: overlap is safe
 
     def gather(self, seq, layer):
         n, s = self._len[seq], self._slot[seq]

@@ -28,7 +28,7 @@ class PagedKV(SequencePool):
                 raise ValueError(f"`kv.{name}` must be a positive int, got {v}")
         super().__init__(backbone, n_layers, n_kv_heads, head_dim, dtype)
         self.block_size = block_size
-        self.pool = torch.zeros(self.n_layers, 2, num_blocks, block_size, self.n_kv, self.hs, dtype=self.dtype)
+        self.pool = torch.zeros(self.n_layers, 2, num_blocks, block_size, self.n_kv, self.hs, dtype=self.dtype, device=self.device)
         self.ref = [0] * num_blocks  # sequences holding each block
         self._free = list(range(num_blocks))  # a heap
         self.tables: dict[int, list[int]] = {}
@@ -39,7 +39,7 @@ class PagedKV(SequencePool):
     def _alloc(self) -> int:
         if not self._free:
             n = self.pool.shape[2]
-            grown = torch.zeros(self.n_layers, 2, 2 * n, self.block_size, self.n_kv, self.hs, dtype=self.dtype)
+            grown = torch.zeros(self.n_layers, 2, 2 * n, self.block_size, self.n_kv, self.hs, dtype=self.dtype, device=self.device)
             grown[:, :, :n] = self.pool
             self.pool = grown
             self.ref += [0] * n
@@ -116,8 +116,8 @@ class PagedKV(SequencePool):
         if len(reads) == 1 and reads[0][:nb] == list(range(reads[0][0], reads[0][0] + nb)):
             read = (reads[0][0], reads[0][0] + nb)  # consecutive blocks: a view of the pool
         else:
-            read = torch.tensor([r[:nb] + [r[0]] * (nb - len(r[:nb])) for r in reads])  # (B, nb), padded
-        self._plan = (torch.cat(wblk), torch.cat(woff), read, nb)
+            read = self._dev(torch.tensor([r[:nb] + [r[0]] * (nb - len(r[:nb])) for r in reads]))  # (B, nb), padded
+        self._plan = (self._dev(torch.cat(wblk)), self._dev(torch.cat(woff)), read, nb)
 
     def update(self, layer, k, v, step):
         kp, vp = self.pool[layer, 0], self.pool[layer, 1]  # (n_blocks, block_size, nkv, hs)
@@ -134,14 +134,16 @@ class PagedKV(SequencePool):
     def _move(self, seq, src, dst) -> None:
         bs, t = self.block_size, torch.tensor(self.tables[seq])
         # the blocks past the committed prefix were written this step: this sequence owns them
-        self.pool[:, :, t[dst // bs], dst % bs] = self.pool[:, :, t[src // bs], src % bs]
+        self.pool[:, :, self._dev(t[dst // bs]), self._dev(dst % bs)] = \
+            self.pool[:, :, self._dev(t[src // bs]), self._dev(src % bs)]
 
     def gather(self, seq, layer):
         n, bs = self._len[seq], self.block_size
         slots = torch.arange(n)
         t = torch.tensor(self.tables[seq], dtype=torch.long)
-        k = self.pool[layer, 0, t[slots // bs], slots % bs] if n else self.pool.new_zeros(0, self.n_kv, self.hs)
-        v = self.pool[layer, 1, t[slots // bs], slots % bs] if n else self.pool.new_zeros(0, self.n_kv, self.hs)
+        blk, off = self._dev(t[slots // bs]), self._dev(slots % bs)
+        k = self.pool[layer, 0, blk, off] if n else self.pool.new_zeros(0, self.n_kv, self.hs)
+        v = self.pool[layer, 1, blk, off] if n else self.pool.new_zeros(0, self.n_kv, self.hs)
         return k.transpose(0, 1).clone(), v.transpose(0, 1).clone()  # (nkv, n, hs)
 
     def stats(self) -> dict:

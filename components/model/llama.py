@@ -234,6 +234,7 @@ class Transformer(nn.Module):
         their caches in `kv`: each row sees its own sequence's cached slots and, among the step's
         rows, what its tree mask allows. `layers` runs a subset of the blocks (layer-skipping
         drafts). Returns hidden (R, dim) after the final norm; the rows become tentative slots."""
+        batch = batch.to(self.device)
         x = self.tok_embeddings(batch.tokens)[None]  # (1, R, dim): every row of every sequence
         cos, sin = self.rope(batch.positions[None], x.dtype)
         B, T, R = len(batch.seqs), batch.width, batch.rows

@@ -62,6 +62,7 @@ class MedusaProposer(Proposer):
         hidden = torch.stack([s.hidden for s in states]).float()  # (B, dim)
         k = self.width if self.dynamic else self.tree.max_rank
         ids, logp = self.heads.topk(hidden, k, with_logprobs=True)  # (B, K, k): head k drafts depth k
+        ids, logp = ids.cpu(), logp.cpu()  # trees are built on the host (one transfer per step)
         trees = []
         for s, ids_b, logp_b in zip(states, ids, logp):
             depth = min(self.tree.depth, s.budget - 1)  # no draft past max_new_tokens / the context end

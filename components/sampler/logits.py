@@ -71,7 +71,7 @@ class RepetitionPenalty:
     def __call__(self, input_ids: list[list[int]], scores: torch.Tensor) -> torch.Tensor:
         out = scores.clone()
         for r, ids in enumerate(input_ids):
-            idx = torch.tensor(sorted(set(ids)), dtype=torch.long)
+            idx = torch.tensor(sorted(set(ids)), dtype=torch.long, device=scores.device)
             s = out[r, idx]
             out[r, idx] = torch.where(s > 0, s / self.penalty, s * self.penalty)
         return out

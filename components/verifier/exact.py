@@ -37,7 +37,7 @@ class ExactVerifier(Verifier):
                     if float(torch.rand((), generator=generator)) < float(residual[x]):
                         chosen = c
                         break
-                    residual = _normalise(residual.clone().index_fill_(0, torch.tensor([x]), 0.0), probs[node])
+                    residual = _normalise(residual.clone().index_fill_(0, torch.tensor([x], device=residual.device), 0.0), probs[node])
                 else:  # q = tree.q[node]: the draft's distribution over this node's children
                     q = tree.q[node]
                     if float(torch.rand((), generator=generator)) * float(q[x]) < float(residual[x]):

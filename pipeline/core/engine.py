@@ -204,7 +204,7 @@ class Engine:
                 acc = self.verifier.verify(tree, p.rows(o, o + tree.size), s.generator)
                 path, new = acc.path, acc.tokens
                 kv.commit(s.seq, path)
-            hidden = h[o + torch.tensor(path)] if len(path) > 1 else h[o:o + 1]  # (n, dim) along the path
+            hidden = h[o + torch.tensor(path, device=h.device)] if len(path) > 1 else h[o:o + 1]  # (n, dim) along the path
             if self.proposer is not None:
                 self.proposer.observe(s.seq, new, hidden)
             s.hidden = hidden[-1]

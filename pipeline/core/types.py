@@ -2,7 +2,7 @@
 what a verifier accepted, and what a finished request produced."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -77,6 +77,14 @@ class StepBatch:
     @property
     def rows(self) -> int:
         return self.tokens.shape[0]
+
+    def to(self, device: torch.device) -> "StepBatch":
+        """The batch with its tensors on `device` (itself when they are there already)."""
+        if self.tokens.device == device:
+            return self
+        mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return replace(self, tokens=mv(self.tokens), positions=mv(self.positions), bias=mv(self.bias),
+                       row_index=mv(self.row_index))
 
     @property
     def counts(self) -> list[int]:
