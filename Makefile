@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup demo test bench heads clean
+.PHONY: setup demo test bench peers gpu-check heads clean
 
 .venv/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -22,6 +22,19 @@ test: setup
 
 bench: setup
 	$(PY) -m pipeline.bench decodes=[hf_greedy,greedy,tree_ngram,self_spec,tree_medusa]
+
+# Optional benchmark peer: llama.cpp through llama-cpp-python (compiles llama.cpp: 10-20 minutes).
+# A portable CPU build: AVX2 always, AVX-512 where this CPU has it, AMX off (the native build
+# crashed in its first decode on an AMX machine).
+AVX512 := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
+peers: setup
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	  -DGGML_AVX512=$(AVX512) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+	  $(PIP) install llama-cpp-python==0.3.36
+
+# On a machine with a CUDA GPU: logits vs transformers, lossless trees in every precision, the bench.
+gpu-check: setup
+	$(PY) scripts/gpu_check.py
 
 # Re-train the heads shipped for the default model (self-distillation data, Lightning job, tree
 # search on this machine), then copy them into the package. See components/heads/checkpoints/.

@@ -95,7 +95,7 @@ def to_hf(backbone):
         raise RuntimeError(f"HF Llama does not fit our weights: missing {missing}, unexpected {unexpected}")
     if model.args.tie_embeddings:
         hf.tie_weights()
-    return hf.to(model.dtype).eval().requires_grad_(False)
+    return hf.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)
 
 
 class HFPeer:
@@ -173,7 +173,9 @@ class HFPeer:
                  self.model.register_forward_hook(self._after)]  # peers may share one HF model
         try:
             t0 = time.perf_counter()
-            out = self.model.generate(ids, generation_config=self.generation_config, attention_mask=mask)
+            dev = self.model.device
+            out = self.model.generate(ids.to(dev), generation_config=self.generation_config,
+                                      attention_mask=mask.to(dev)).cpu()
             wall = time.perf_counter() - t0
         finally:
             for h in hooks:

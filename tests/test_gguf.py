@@ -128,3 +128,24 @@ def test_shipped_heads_load_in_every_precision(dtype, tmp_path):
     engine, _ = build_engine(compose_config(["decode=tree_medusa", f"model.dtype={dtype}", "max_new_tokens=8"]), bb)
     prompt = bb.tokenizer.encode("The capital of France is", add_special_tokens=False)
     assert len(engine.run([prompt])[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "q4"])
+def test_tiny_modes_decode_losslessly_and_record_their_precision(dtype, tmp_path):
+    """Every preset equals greedy in the same mode (tiny model, batch 1 and 3), and results.json
+    says which precision ran."""
+    from pipeline.decode import decode
+    from conftest import compose_config
+    from test_decode import TEXT_PROMPTS, decoder_for
+    bb = tiny(dtype=dtype)
+    assert bb.precision == dtype
+    prompts = [bb.tokenizer.encode(t, add_special_tokens=False) for t in TEXT_PROMPTS[:3]]
+    ref = [g.token_ids for g in decoder_for("greedy", bb, max_new_tokens=24).run(prompts)]
+    for preset, extra in (("tree_ngram", ("proposer.min_ngram=1",)), ("self_spec", ()), ("greedy", ())):
+        for batch in (1, 3):
+            got = decoder_for(preset, bb, *extra, f"batch_size={batch}", max_new_tokens=24).run(prompts)
+            assert [g.token_ids for g in got] == ref, (preset, batch)
+    cfg = compose_config(["model=tiny", f"model.dtype={dtype}", "decode=greedy", "max_new_tokens=4", "chat=false",
+                          "stream=false"], output_dir=tmp_path, prompt="hello")
+    _, objs = decode(cfg)
+    assert objs["results"]["summary"]["precision"] == dtype
