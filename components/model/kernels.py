@@ -40,14 +40,17 @@ def matmul(x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None, kernel: st
     """x: (..., in) times the matrix stored as w (in, out) and, optionally, wt (out, in)."""
     x2 = x.reshape(-1, x.shape[-1])
     n = x2.shape[0]
-    x2 = at_least(x2, min_rows)
+    if n < min_rows:
+        x2 = at_least(x2, min_rows)
     if kernel == "xw" or wt is None:
         y = x2 @ w
     elif kernel == "linear":
         y = F.linear(x2, wt)
     else:
         y = torch.mm(wt, pad_rows(x2).t())[:, :x2.shape[0]].t()  # (rows, out)
-    return y[:n].reshape(*x.shape[:-1], y.shape[-1])
+    if y.shape[0] != n:
+        y = y[:n]
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class KernelPlan:

@@ -73,14 +73,20 @@ class Int4(nn.Module):
         self.min_rows = 1
 
     def forward(self, x: torch.Tensor, kernel: str = "") -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(self.dtype)
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != self.dtype:
+            x2 = x2.to(self.dtype)
         n = x2.shape[0]
-        x2 = at_least(x2, self.min_rows)
+        if n < self.min_rows:
+            x2 = at_least(x2, self.min_rows)
         if x2.device.type == "cpu":
             y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scale_zeros)
         else:
             y = torch._weight_int4pack_mm(x2, self.packed, self.group, self.scale_zeros)
-        return y[:n].view(*x.shape[:-1], self.out_features).to(x.dtype)
+        if y.shape[0] != n:
+            y = y[:n]
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def dense(self) -> torch.Tensor:
         """[in, out] float32 weights, as the kernel sees them (the identity through the kernel)."""

@@ -99,9 +99,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # as transformers computes it: in fp32, normalised, cast back, then scaled (row-local: a row's
-        # bits never depend on the other rows; one fused op for the normalisation)
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        # float32: as transformers computes it (normalised, then scaled); bfloat16: normalised and
+        # scaled in float32 inside one op, rounded once. Row-local: a row's bits never depend on
+        # the other rows.
+        if x.dtype == torch.float32:
+            return self.weight * F.rms_norm(x, x.shape[-1:], eps=self.eps)
+        return F.rms_norm(x, x.shape[-1:], self.weight, eps=self.eps)  # computed in float32, rounded once
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
