@@ -1,6 +1,6 @@
 """What a decode step costs per precision, and how far a plain step is from the bytes-per-token floor.
 
-    python scripts/step_costs.py [context=128]
+    python scripts/step_costs.py [context=128] [dtypes=float32,bfloat16,q4]
 
 For each precision: the wall time of one target forward over R rows (a plain step of one sequence
 at R = 1; a tree of R nodes) on a cached context, LM head included, median of 20; the ratio of each
@@ -51,14 +51,16 @@ def matrix_bytes(m) -> int:
 
 @torch.inference_mode()
 def main():
-    ctx = int(sys.argv[1].split("=")[1]) if len(sys.argv) > 1 else 128
+    opts = dict(a.split("=", 1) for a in sys.argv[1:])
+    ctx = int(opts.get("context", 128))
+    dtypes = opts.get("dtypes", "float32,bfloat16,q4").split(",")
     bw = bandwidth()
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
           f"copy bandwidth {bw:.1f} GB/s, context {ctx}\n")
     print("| precision | " + " | ".join(f"{r} row{'s' if r > 1 else ''}" for r in ROWS) + " |")
     print("|---|" + "---:|" * len(ROWS))
     floors = []
-    for dtype in ("float32", "bfloat16", "q4"):
+    for dtype in dtypes:
         m = from_pretrained(dtype=dtype).model
         a = m.args
         kv = ContiguousKV(None, ctx + 64, a.n_layers, a.n_kv_heads, a.head_dim, m.attn_dtype)
