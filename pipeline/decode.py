@@ -188,6 +188,7 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
             if len(ids) >= limit:
                 raise UserError(f"request {reqs[k].id}: prompt is {len(ids)} tokens, the model's context is "
                                 f"{limit}: shorten it or raise model.max_seq_len")
+        policy = speculation_policy(engine, name)
         if done:
             print(f"resuming in {out}: {len(done)} of {len(reqs)} requests already finished", file=sys.stderr)
         if todo and cfg.get("warmup", True):  # first-call costs (allocation, MKL set-up) stay out of the timings
@@ -222,7 +223,7 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
         items = [done.get(r.id) or fresh[r.id] for r in reqs if r.id in done or r.id in fresh]
         summary = summarize(list(fresh.values()), wall)  # speed of this run's requests
         summary.update(requests=len(items), finished_now=len(fresh), resumed=len(done), interrupted=interrupted,
-                       kv=engine.kv.stats(), **backbone.describe())
+                       kv=engine.kv.stats(), **backbone.describe(), **({"speculation": policy} if policy else {}))
         if cfg.get("verify_lossless") and not interrupted:
             try:
                 summary.update(verify_lossless(engine, backbone, cfg, reqs, items))
@@ -237,6 +238,24 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
         raise Interrupted(f"interrupted: {len(items)} of {len(reqs)} requests finished"
                           f"{f', kept in {items_path}' if items else ''}; rerun with hydra.run.dir={out} to resume")
     return {**summary, "results_path": str(path)}, {"engine": engine, "backbone": backbone, "results": results}
+
+
+def speculation_policy(engine: Engine, name: str) -> dict | None:
+    """The proposer's sizing decision (components/proposer/policy.py), said in one line when it is
+    plain decoding; None for proposers without one."""
+    policy = getattr(engine.proposer, "policy", None)
+    if not policy:
+        return None
+    out = {k: policy[k] for k in ("nodes", "expected_speedup", "expected_accept_length", "precision")}
+    if policy["nodes"] == 0:
+        best = max(policy["table"][1:], key=lambda r: r["expected_speedup"], default=None)
+        why = "" if best is None else f" (the best tree, {best['nodes']} drafts, predicts {best['expected_speedup']:.2f}x)"
+        print(f"{name}: no draft tree pays on this machine in {policy['precision']}{why}: decoding plainly; "
+              "proposer.nodes=<n> forces a tree", file=sys.stderr)
+        out["active"] = False
+    else:
+        out["active"] = True
+    return out
 
 
 def verify_lossless(engine: Engine, backbone, cfg, reqs, items) -> dict:

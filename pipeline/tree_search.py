@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig
 
 from pipeline.cli import CONF_DIR, check_overrides
-from pipeline.core import forward_rows
+from components.proposer.policy import choose, step_costs
 from pipeline.errors import UserError, one_line_errors
 
 
@@ -61,41 +61,6 @@ def grow_tree(ranks: torch.Tensor, max_nodes: int, max_rank: int) -> list[tuple[
     return chosen
 
 
-@torch.inference_mode()
-def tree_latency(backbone, kv, sizes: list[int], prefix: int = 256, repeats: int = 5) -> dict[int, float]:
-    """Median ms of one target forward (plus LM head) over n nodes after a `prefix`-token cache."""
-    model = backbone.model
-    seq = kv.create()
-    forward_rows(model, kv, seq, torch.randint(0, 1000, (prefix,)))
-    kv.commit(seq)
-    out = {}
-    for n in sizes:
-        tokens = torch.randint(0, 1000, (n,))
-        depth, mask = torch.zeros(n, dtype=torch.long), torch.eye(n, dtype=torch.bool)  # n siblings
-        mask[:, 0] = True
-        depth[1:] = 1
-        times = []
-        for i in range(repeats + 1):
-            t = time.perf_counter()
-            h = forward_rows(model, kv, seq, tokens, depth, mask if n > 1 else None)
-            model.logits(h).argmax(-1).tolist()
-            kv.discard(seq)
-            times.append((time.perf_counter() - t) * 1e3)
-        out[n] = sorted(times[1:])[len(times[1:]) // 2]
-    kv.free(seq)
-    return out
-
-
-def interpolate(table: dict[int, float], n: int) -> float:
-    xs = sorted(table)
-    if n <= xs[0]:
-        return table[xs[0]]
-    for a, b in zip(xs, xs[1:]):
-        if n <= b:
-            return table[a] + (table[b] - table[a]) * (n - a) / (b - a)
-    return table[xs[-1]]
-
-
 def search(cfg: DictConfig) -> tuple[dict, dict]:
     from hydra.utils import instantiate
 
@@ -114,25 +79,18 @@ def search(cfg: DictConfig) -> tuple[dict, dict]:
     s = cfg.search
     ranks = rank_matrix(heads, val.hidden, head_targets(val, heads.num_heads), s.max_rank)
     order = grow_tree(ranks, s.max_nodes, s.max_rank)
-    sizes = sorted({1, *[n + 1 for n in s.latency_nodes if n + 1 <= s.max_nodes + 1], s.max_nodes + 1})
-    lat = tree_latency(backbone, component(cfg.kv, backbone), sizes, s.prefix, s.repeats)
     t = time.perf_counter()
     for _ in range(20):
-        heads.topk(val.hidden[0].float(), s.max_rank)
+        heads.topk(val.hidden[:1].float(), s.max_rank)
     head_ms = (time.perf_counter() - t) / 20 * 1e3
-    plain_ms = lat[1]
-    rows, best = [], None
-    for n in range(1, len(order) + 1):
-        accept = 1 + sum(p for _, p in order[:n])
-        step = interpolate(lat, n + 1) + head_ms
-        rows.append({"nodes": n, "expected_accept_length": accept, "step_ms": step,
-                     "expected_speedup": accept / step * plain_ms})
-        if best is None or rows[-1]["expected_speedup"] > best["expected_speedup"]:
-            best = rows[-1]
+    costs = step_costs(backbone.model, [p for p, _ in order], head_ms, s.prefix, s.repeats)
+    best = choose(order, costs)
+    rows, plain_ms = best.pop("table"), costs[0]
     choices = [list(p) for p, _ in order[:best["nodes"]]]
     result = {"choices": choices, "nodes": best["nodes"], "expected_accept_length": best["expected_accept_length"],
               "expected_speedup": best["expected_speedup"], "plain_step_ms": plain_ms, "head_ms": head_ms,
-              "latency_ms_by_nodes": {str(k): v for k, v in lat.items()}, "table": rows,
+              "step_ms_by_drafts": {str(k): v for k, v in costs.items()}, "precision": backbone.model.precision,
+              "table": rows,
               "path_probability": [[list(p), q] for p, q in order], "held_out_positions": int(ranks.shape[0]),
               "head_top1": [float((ranks[:, k] == 0).float().mean()) for k in range(heads.num_heads)],
               "head_top5": [float((ranks[:, k] < 5).float().mean()) for k in range(heads.num_heads)]}

@@ -160,15 +160,71 @@ def test_tree_search_writes_a_valid_tree(trained, tmp_path):
     root, _, _ = trained
     cfg = compose_config(["model=tiny", f"proposer.checkpoint={root / 'run' / 'heads.safetensors'}",
                           "data.max_samples=24", "data.max_new_tokens=12", f"data.root={root / 'data'}",
-                          "search.max_nodes=6", "search.max_rank=3", "search.repeats=1",
-                          "search.latency_nodes=[1,2,4]"], config_name="tree_search", output_dir=tmp_path)
+                          "search.max_nodes=6", "search.max_rank=3", "search.repeats=1"],
+                         config_name="tree_search", output_dir=tmp_path)
     result, _ = search(cfg)
     tree = json.loads((tmp_path / "tree.json").read_text())
-    assert tree["choices"] == result["choices"] and 1 <= len(tree["choices"]) <= 6
+    assert tree["choices"] == result["choices"] and 0 <= len(tree["choices"]) <= 6
     from pipeline.core import StaticTree
-    StaticTree.from_choices(tree["choices"])  # every path's parent is in the tree
+    if tree["choices"]:
+        StaticTree.from_choices(tree["choices"])  # every path's parent is in the tree
     rows = tree["table"]
+    assert rows[0]["nodes"] == 0 and rows[0]["expected_speedup"] == 1.0  # plain decoding is a candidate
     assert all(b["expected_accept_length"] >= a["expected_accept_length"] for a, b in zip(rows, rows[1:]))
+    assert tree["nodes"] == max(rows, key=lambda r: r["expected_speedup"])["nodes"]
+
+
+def test_policy_picks_the_best_size_and_plain_when_no_tree_pays():
+    from components.proposer.policy import choose
+    order = [((0,), 0.6), ((0, 0), 0.4), ((1,), 0.1), ((0, 0, 0), 0.05)]
+    cheap = {0: 10.0, 1: 11.0, 2: 12.0, 4: 14.0}  # ms per step with n drafts
+    best = choose(order, cheap)
+    assert best["nodes"] == 2 and best["choices"] == [[0], [0, 0]]
+    assert abs(best["expected_speedup"] - 2.0 / 12.0 * 10.0) < 1e-9
+    dear = {0: 10.0, 1: 20.0, 4: 40.0}  # a tree costs more than it returns
+    best = choose(order, dear)
+    assert best["nodes"] == 0 and best["choices"] == [] and best["expected_speedup"] == 1.0
+
+
+def tree_file_with(tmp_path, p: float):
+    """A tree-search result whose paths are accepted with probability p each."""
+    order = [[[0], p], [[0, 0], p * p], [[1], p / 2]]
+    path = tmp_path / "tree.json"
+    path.write_text(json.dumps({"choices": [o[0] for o in order], "path_probability": order}))
+    return path
+
+
+def test_no_tree_pays_decodes_plainly_and_says_so(trained, tiny_backbone, tmp_path, capsys):
+    from pipeline.decode import decode
+    root, _, _ = trained
+    cfg = compose_config(["decode=tree_medusa", "model=tiny", f"proposer.checkpoint={root / 'run' / 'heads.safetensors'}",
+                          f"proposer.tree_file={tree_file_with(tmp_path, 1e-4)}", "prompt=hello there",
+                          "max_new_tokens=12", "stream=false"], output_dir=tmp_path)
+    metrics, objs = decode(cfg, tiny_backbone)
+    assert "no draft tree pays" in capsys.readouterr().err
+    spec = objs["results"]["summary"]["speculation"]
+    assert spec["active"] is False and spec["nodes"] == 0
+    item = objs["results"]["items"][0]
+    assert item["accepted_lengths"] == [1] * len(item["accepted_lengths"])
+
+
+def test_p_min_drops_unlikely_drafts_and_stays_lossless(trained, tiny_backbone, tmp_path):
+    from test_decode import decoder_for
+    root, _, _ = trained
+    ckpt = f"proposer.checkpoint={root / 'run' / 'heads.safetensors'}"
+    prompts = [tiny_backbone.tokenizer.encode(t, add_special_tokens=False) for t in ["hello there", "a b a b a"]]
+    ref = [g.token_ids for g in decoder_for("greedy", tiny_backbone, max_new_tokens=24).run(prompts)]
+    sizes = {}
+    for p_min in (0.0, 0.3, 0.9999):
+        eng = decoder_for("tree_medusa", tiny_backbone, ckpt, "proposer.tree_file=null", "tree.width=2",
+                          "tree.depth=3", "tree.max_nodes=8", f"proposer.p_min={p_min}", max_new_tokens=24)
+        nodes = []
+        orig = eng.proposer.propose_all
+        eng.proposer.propose_all = lambda states: [nodes.append(0 if t is None else t.size - 1) or t
+                                                   for t in orig(states)]
+        assert [g.token_ids for g in eng.run(prompts)] == ref
+        sizes[p_min] = sum(nodes)
+    assert sizes[0.0] > sizes[0.3] >= sizes[0.9999] == 0
 
 
 @pytest.mark.parametrize("fmt", ["medusa", "vllm"])

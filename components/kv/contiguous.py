@@ -14,11 +14,12 @@ from components.kv.base import SequencePool
 
 class ContiguousKV(SequencePool):
     def __init__(self, backbone=None, max_len: int = 512, n_layers: int | None = None,
-                 n_kv_heads: int | None = None, head_dim: int | None = None, dtype: torch.dtype | None = None):
+                 n_kv_heads: int | None = None, head_dim: int | None = None, dtype: torch.dtype | None = None,
+                 device=None):
         """max_len: slots per sequence allocated up front (grown when a sequence needs more)."""
         if not isinstance(max_len, int) or max_len <= 0:
             raise ValueError(f"`kv.max_len` must be a positive int, got {max_len}")
-        super().__init__(backbone, n_layers, n_kv_heads, head_dim, dtype)
+        super().__init__(backbone, n_layers, n_kv_heads, head_dim, dtype, device)
         self.capacity = max_len
         self.buf = torch.zeros(self.n_layers, 2, 0, self.n_kv, max_len, self.hs, dtype=self.dtype, device=self.device)
         self._slot: dict[int, int] = {}

@@ -21,12 +21,13 @@ from components.kv.base import SequencePool
 
 class PagedKV(SequencePool):
     def __init__(self, backbone=None, block_size: int = 16, num_blocks: int = 128, n_layers: int | None = None,
-                 n_kv_heads: int | None = None, head_dim: int | None = None, dtype: torch.dtype | None = None):
+                 n_kv_heads: int | None = None, head_dim: int | None = None, dtype: torch.dtype | None = None,
+                 device=None):
         """num_blocks: the pool's initial size; it doubles when a step needs more."""
         for name, v in (("block_size", block_size), ("num_blocks", num_blocks)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"`kv.{name}` must be a positive int, got {v}")
-        super().__init__(backbone, n_layers, n_kv_heads, head_dim, dtype)
+        super().__init__(backbone, n_layers, n_kv_heads, head_dim, dtype, device)
         self.block_size = block_size
         self.pool = torch.zeros(self.n_layers, 2, num_blocks, block_size, self.n_kv, self.hs, dtype=self.dtype, device=self.device)
         self.ref = [0] * num_blocks  # sequences holding each block

@@ -1,7 +1,10 @@
 """Medusa proposer: the heads' top-k per depth, arranged by a static tree, verified by the target."""
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+import time
 from pathlib import Path
 
 import torch
@@ -18,12 +21,24 @@ def shipped_checkpoint(backbone_name: str) -> Path:
 
 class MedusaProposer(Proposer):
     def __init__(self, backbone, checkpoint: str | None = None, choices=None, tree_file: str | None = "auto",
-                 width: int = 2, depth: int = 3, max_nodes: int = 16, dynamic: bool = False):
+                 width: int = 2, depth: int = 3, max_nodes: int = 16, dynamic: bool = False,
+                 nodes: int | str | None = "auto", p_min: float = 0.0):
         """checkpoint: heads.safetensors (null = the one shipped for this backbone). The tree is
         `choices` when given, else `tree_file` ("auto" = the tree.json written beside the checkpoint
         by `python -m pipeline.tree_search`, when present), else a full width x depth tree pruned to
         max_nodes. `dynamic` instead grows a fresh tree each step from the heads' log-probabilities
-        (best-first by cumulative log-probability, top-`width` children, `max_nodes` drafts)."""
+        (best-first by cumulative log-probability, top-`width` children, `max_nodes` drafts).
+
+        nodes: with a tree file from the tree search, how many of its ranked paths to verify: "auto"
+        = the count with the best predicted tokens/s on this machine in this precision, which is 0
+        (plain decoding) when no tree pays (components/proposer/policy.py); an int = that many;
+        None = the file's own choice. p_min: per step, drafts whose cumulative draft probability
+        (the product of the heads' probabilities along the path) is below it are dropped."""
+        if not isinstance(p_min, (int, float)) or isinstance(p_min, bool) or not 0 <= p_min < 1:
+            raise UserError(f"proposer.p_min must be a probability in [0, 1), got {p_min}")
+        if not (nodes in (None, "auto") or (isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 0)):
+            raise UserError(f"proposer.nodes must be auto, null or a draft count >= 0, got {nodes!r}")
+        self.p_min, self.policy = float(p_min), None
         path = Path(checkpoint) if checkpoint else shipped_checkpoint(backbone.name)
         if checkpoint is None and not path.is_file():
             raise UserError(f"no Medusa heads are shipped for model {backbone.name!r}: train them with "
@@ -39,19 +54,42 @@ class MedusaProposer(Proposer):
             if not Path(tree_file).is_file():
                 raise UserError(f"tree file {tree_file} does not exist: run `python -m pipeline.tree_search` or set tree.choices")
             try:
-                choices = json.loads(Path(tree_file).read_text())["choices"]
+                found = json.loads(Path(tree_file).read_text())
+                choices = found["choices"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise UserError(f"tree file {tree_file} is not a tree: it needs a JSON object with \"choices\" "
                                 "(write one with `python -m pipeline.tree_search`)") from None
-        if choices is not None:
+            order = [(tuple(int(r) for r in path), float(q)) for path, q in found.get("path_probability", [])]
+            if nodes is not None and order:
+                choices = self._size(backbone, order, nodes, Path(tree_file))
+        if choices == []:  # the policy chose plain decoding
+            self.tree = None
+        elif choices is not None:
             self.tree = StaticTree.from_choices(choices)
         else:
             self.tree = StaticTree.from_shape(width, min(depth, self.heads.num_heads), max_nodes)
-        if self.tree.depth > self.heads.num_heads:
+        if self.tree is not None and self.tree.depth > self.heads.num_heads:
             raise UserError(f"tree depth {self.tree.depth} exceeds the checkpoint's {self.heads.num_heads} heads: "
                             f"use tree.depth <= {self.heads.num_heads}")
 
         self.width, self.max_nodes = width, max_nodes
+
+    def _size(self, backbone, order, nodes, tree_file: Path) -> list[list[int]]:
+        """The first n of the tree search's ranked paths: n given, or chosen by the policy."""
+        order = [(p, q) for p, q in order if len(p) <= self.heads.num_heads]
+        if nodes != "auto":
+            return [list(p) for p, _ in order[:nodes]]
+        from components.proposer.policy import size_tree
+        full = StaticTree.from_choices([p for p, _ in order])
+        h = torch.zeros(1, self.heads.dim, device=backbone.model.device)
+        t0 = time.perf_counter()
+        for _ in range(10):
+            ids, _ = self.heads.topk(h, full.max_rank, with_logprobs=True)
+            full.fill(0, ids[0].cpu())
+        proposal_ms = (time.perf_counter() - t0) / 10 * 1e3
+        digest = hashlib.sha1(tree_file.read_bytes()).hexdigest()[:12]
+        self.policy = size_tree(backbone, order, proposal_ms, digest)
+        return self.policy["choices"]
 
     def propose(self, state: DecodeState) -> Tree | None:
         return self.propose_all([state])[0]
@@ -59,6 +97,8 @@ class MedusaProposer(Proposer):
     @torch.inference_mode()
     def propose_all(self, states: list[DecodeState]) -> list[Tree | None]:
         """Every live sequence's heads in one call: h (B, dim) -> (B, K, k) candidates."""
+        if self.tree is None and not self.dynamic:
+            return [None] * len(states)  # the policy chose plain decoding
         hidden = torch.stack([s.hidden for s in states]).float()  # (B, dim)
         k = self.width if self.dynamic else self.tree.max_rank
         ids, logp = self.heads.topk(hidden, k, with_logprobs=True)  # (B, K, k): head k drafts depth k
@@ -70,5 +110,17 @@ class MedusaProposer(Proposer):
                 trees.append(dynamic_tree(s.tokens[-1], ids_b[:depth], logp_b[:depth], self.width, self.max_nodes))
             else:
                 tree = self.tree.fill(s.tokens[-1], ids_b[:self.tree.depth])
-                trees.append(tree if depth == self.tree.depth else tree.prune(depth, tree.size))
-        return trees
+                if self.p_min > 0:
+                    tree = self._above_p_min(tree, logp_b)
+                trees.append(tree if depth >= tree.max_depth else tree.prune(depth, tree.size))
+        return [t if t is None or t.size > 1 else None for t in trees]
+
+    def _above_p_min(self, tree: Tree, logp: torch.Tensor) -> Tree:
+        """Drop the nodes whose cumulative draft probability is below p_min (with their subtrees:
+        the product only shrinks along a path)."""
+        node_lp = torch.cat((torch.zeros(1), logp[self.tree.head, self.tree.rank].float()))
+        cum = node_lp.clone()
+        parents = self.tree.parents
+        for i in range(1, len(parents)):
+            cum[i] += cum[parents[i]]
+        return tree.keep((cum >= math.log(self.p_min)).nonzero().squeeze(-1))

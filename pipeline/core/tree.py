@@ -68,7 +68,11 @@ class Tree:
     def prune(self, max_depth: int, max_size: int) -> "Tree":
         """The first nodes (packed order, so every parent is kept before its children) with depth <=
         max_depth, at most max_size of them including the root."""
-        keep = (self.depth <= max_depth).nonzero().squeeze(-1)[:max(1, max_size)]
+        return self.keep((self.depth <= max_depth).nonzero().squeeze(-1)[:max(1, max_size)])
+
+    def keep(self, keep: torch.Tensor) -> "Tree":
+        """The nodes at packed indices `keep` (ascending, the root first, every kept node's parent
+        kept): a sub-tree with its q and per-node state."""
         if keep.numel() == self.size:
             return self
         q = None if self.q is None else self.q[keep]
@@ -149,6 +153,11 @@ class StaticTree:
         if max_nodes is not None:
             paths = paths[:max_nodes]
         return cls.from_choices(paths)
+
+    @property
+    def structure(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(depth (N,), ancestry mask (N, N)) of the tree, root included."""
+        return _structure(self.parents)
 
     @property
     def max_rank(self) -> int:

@@ -1,0 +1,93 @@
+"""A tree size that never loses: how many of a proposer's ranked draft paths to verify per step, on
+this machine, in this precision, chosen by predicted tokens per second, where zero (plain decoding)
+is a candidate.
+
+Given the paths in the order a tree search grew them, each with its measured acceptance P(path)
+(teacher-forced on held-out answers, `python -m pipeline.tree_search`), and the measured wall time
+of a whole step with n drafts (target forward over n + 1 rows, LM head, argmax to the host, plus
+the proposer's own cost), the expected speedup of the first n paths is
+
+    (1 + sum of P over them) / step_ms(n) * step_ms(0)
+
+and the policy takes the n that maximises it: 0 whenever no tree is predicted to beat a plain step.
+Step times are measured once per machine, precision and thread count (about a second for
+SmolLM2 in q4) and cached beside the kernel plans.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from pipeline.core import StaticTree, StepBatch, atomic_write
+
+SIZES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # drafts per step at which the cost is measured
+
+
+@torch.inference_mode()
+def step_costs(model, order: list[tuple[int, ...]], proposal_ms: float, prefix: int = 128,
+               repeats: int = 5) -> dict[int, float]:
+    """ms of a whole verification step with the first n paths of `order`, for n in SIZES (capped)."""
+    from components.kv.contiguous import ContiguousKV
+    a = model.args
+    kv = ContiguousKV(None, prefix + len(order) + 8, a.n_layers, a.n_kv_heads, a.head_dim, model.attn_dtype,
+                      device=model.device)
+    seq = kv.create()
+    g = torch.Generator().manual_seed(0)
+    model.step(StepBatch.build([seq], [torch.randint(0, a.vocab_size, (prefix,), generator=g)], [None], [None], [0],
+                               model.attn_dtype), kv)
+    kv.commit(seq)
+    out = {}
+    for n in sorted({min(s, len(order)) for s in SIZES}):
+        tokens = torch.randint(0, a.vocab_size, (n + 1,), generator=g)
+        depth, mask = StaticTree.from_choices(order[:n]).structure if n else (None, None)
+        times = []
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            h = model.step(StepBatch.build([seq], [tokens], [depth], [mask], [kv.used(seq)], model.attn_dtype), kv)
+            model.logits(h).argmax(-1).tolist()
+            kv.discard(seq)
+            times.append((time.perf_counter() - t) * 1e3)
+        out[n] = sorted(times[1:])[len(times[1:]) // 2] + (proposal_ms if n else 0.0)
+    kv.free(seq)
+    return out
+
+
+def interpolate(table: dict[int, float], n: int) -> float:
+    xs = sorted(table)
+    if n <= xs[0]:
+        return table[xs[0]]
+    for a, b in zip(xs, xs[1:]):
+        if n <= b:
+            return table[a] + (table[b] - table[a]) * (n - a) / (b - a)
+    return table[xs[-1]]
+
+
+def choose(order: list[tuple[tuple[int, ...], float]], costs: dict[int, float]) -> dict:
+    """The size with the best predicted speedup (0 = plain decoding), and the whole table."""
+    plain = costs[0]
+    rows = [{"nodes": 0, "expected_accept_length": 1.0, "step_ms": plain, "expected_speedup": 1.0}]
+    accept = 1.0
+    for n, (_, p) in enumerate(order, 1):
+        accept += p
+        ms = interpolate(costs, n)
+        rows.append({"nodes": n, "expected_accept_length": accept, "step_ms": ms, "expected_speedup": accept / ms * plain})
+    best = max(rows, key=lambda r: r["expected_speedup"])
+    return {**best, "choices": [list(path) for path, _ in order[:best["nodes"]]], "table": rows}
+
+
+def size_tree(backbone, order: list[tuple[tuple[int, ...], float]], proposal_ms: float, cache_key: str) -> dict:
+    """`choose` with this machine's step costs, measured once and cached (keyed by the machine, the
+    precision and the paths)."""
+    from components.model.kernels import machine_key
+    from components.model.load import cache_dir
+    model = backbone.model
+    key = f"{machine_key(model)}-{cache_key}"
+    path = cache_dir() / f"tree-costs-{key}.json"
+    if path.is_file():
+        costs = {int(k): v for k, v in json.loads(path.read_text()).items()}
+    else:
+        costs = step_costs(model, [p for p, _ in order], proposal_ms)
+        atomic_write(path, json.dumps(costs))
+    return {**choose(order, costs), "step_ms_by_drafts": costs, "precision": model.precision}
