@@ -84,7 +84,7 @@ def search(cfg: DictConfig) -> tuple[dict, dict]:
         heads.topk(val.hidden[:1].float(), s.max_rank)
     head_ms = (time.perf_counter() - t) / 20 * 1e3
     costs = step_costs(backbone.model, [p for p, _ in order], head_ms, s.prefix, s.repeats)
-    best = choose(order, costs)
+    best = choose(order, costs, s.get("min_gain", 1.0))
     rows, plain_ms = best.pop("table"), costs[0]
     choices = [list(p) for p, _ in order[:best["nodes"]]]
     result = {"choices": choices, "nodes": best["nodes"], "expected_accept_length": best["expected_accept_length"],

@@ -171,7 +171,8 @@ def test_tree_search_writes_a_valid_tree(trained, tmp_path):
     rows = tree["table"]
     assert rows[0]["nodes"] == 0 and rows[0]["expected_speedup"] == 1.0  # plain decoding is a candidate
     assert all(b["expected_accept_length"] >= a["expected_accept_length"] for a, b in zip(rows, rows[1:]))
-    assert tree["nodes"] == max(rows, key=lambda r: r["expected_speedup"])["nodes"]
+    best = max(rows, key=lambda r: r["expected_speedup"])
+    assert tree["nodes"] == (best["nodes"] if best["expected_speedup"] >= 1.05 else 0)  # search.min_gain
 
 
 def test_policy_picks_the_best_size_and_plain_when_no_tree_pays():

@@ -22,7 +22,7 @@ def shipped_checkpoint(backbone_name: str) -> Path:
 class MedusaProposer(Proposer):
     def __init__(self, backbone, checkpoint: str | None = None, choices=None, tree_file: str | None = "auto",
                  width: int = 2, depth: int = 3, max_nodes: int = 16, dynamic: bool = False,
-                 nodes: int | str | None = "auto", p_min: float = 0.0):
+                 nodes: int | str | None = "auto", p_min: float = 0.0, min_gain: float = 1.05):
         """checkpoint: heads.safetensors (null = the one shipped for this backbone). The tree is
         `choices` when given, else `tree_file` ("auto" = the tree.json written beside the checkpoint
         by `python -m pipeline.tree_search`, when present), else a full width x depth tree pruned to
@@ -32,13 +32,16 @@ class MedusaProposer(Proposer):
         nodes: with a tree file from the tree search, how many of its ranked paths to verify: "auto"
         = the count with the best predicted tokens/s on this machine in this precision, which is 0
         (plain decoding) when no tree pays (components/proposer/policy.py); an int = that many;
-        None = the file's own choice. p_min: per step, drafts whose cumulative draft probability
+        None = the file's own choice; min_gain: the predicted speedup a tree must reach under "auto".
+        p_min: per step, drafts whose cumulative draft probability
         (the product of the heads' probabilities along the path) is below it are dropped."""
         if not isinstance(p_min, (int, float)) or isinstance(p_min, bool) or not 0 <= p_min < 1:
             raise UserError(f"proposer.p_min must be a probability in [0, 1), got {p_min}")
         if not (nodes in (None, "auto") or (isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 0)):
             raise UserError(f"proposer.nodes must be auto, null or a draft count >= 0, got {nodes!r}")
-        self.p_min, self.policy = float(p_min), None
+        if not isinstance(min_gain, (int, float)) or isinstance(min_gain, bool) or min_gain <= 0:
+            raise UserError(f"proposer.min_gain must be a positive speedup, got {min_gain}")
+        self.p_min, self.min_gain, self.policy = float(p_min), float(min_gain), None
         path = Path(checkpoint) if checkpoint else shipped_checkpoint(backbone.name)
         if checkpoint is None and not path.is_file():
             raise UserError(f"no Medusa heads are shipped for model {backbone.name!r}: train them with "
@@ -88,7 +91,7 @@ class MedusaProposer(Proposer):
             full.fill(0, ids[0].cpu())
         proposal_ms = (time.perf_counter() - t0) / 10 * 1e3
         digest = hashlib.sha1(tree_file.read_bytes()).hexdigest()[:12]
-        self.policy = size_tree(backbone, order, proposal_ms, digest)
+        self.policy = size_tree(backbone, order, proposal_ms, digest, self.min_gain)
         return self.policy["choices"]
 
     def propose(self, state: DecodeState) -> Tree | None:

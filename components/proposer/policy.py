@@ -9,7 +9,8 @@ the proposer's own cost), the expected speedup of the first n paths is
 
     (1 + sum of P over them) / step_ms(n) * step_ms(0)
 
-and the policy takes the n that maximises it: 0 whenever no tree is predicted to beat a plain step.
+and the policy takes the n that maximises it, or 0 (plain decoding) when the best prediction is
+under `min_gain` (default 1.05: the prediction's error, measured, is of that order).
 Step times are measured once per machine, precision and thread count (about a second for
 SmolLM2 in q4) and cached beside the kernel plans.
 """
@@ -64,8 +65,9 @@ def interpolate(table: dict[int, float], n: int) -> float:
     return table[xs[-1]]
 
 
-def choose(order: list[tuple[tuple[int, ...], float]], costs: dict[int, float]) -> dict:
-    """The size with the best predicted speedup (0 = plain decoding), and the whole table."""
+def choose(order: list[tuple[tuple[int, ...], float]], costs: dict[int, float], min_gain: float = 1.0) -> dict:
+    """The size with the best predicted speedup, and the whole table; 0 (plain decoding) unless
+    that speedup reaches `min_gain` (a margin for the prediction's error: measured within ~5-15%)."""
     plain = costs[0]
     rows = [{"nodes": 0, "expected_accept_length": 1.0, "step_ms": plain, "expected_speedup": 1.0}]
     accept = 1.0
@@ -74,10 +76,13 @@ def choose(order: list[tuple[tuple[int, ...], float]], costs: dict[int, float]) 
         ms = interpolate(costs, n)
         rows.append({"nodes": n, "expected_accept_length": accept, "step_ms": ms, "expected_speedup": accept / ms * plain})
     best = max(rows, key=lambda r: r["expected_speedup"])
+    if best["expected_speedup"] < min_gain:
+        best = rows[0]
     return {**best, "choices": [list(path) for path, _ in order[:best["nodes"]]], "table": rows}
 
 
-def size_tree(backbone, order: list[tuple[tuple[int, ...], float]], proposal_ms: float, cache_key: str) -> dict:
+def size_tree(backbone, order: list[tuple[tuple[int, ...], float]], proposal_ms: float, cache_key: str,
+              min_gain: float = 1.0) -> dict:
     """`choose` with this machine's step costs, measured once and cached (keyed by the machine, the
     precision and the paths)."""
     from components.model.kernels import machine_key
@@ -90,4 +95,5 @@ def size_tree(backbone, order: list[tuple[tuple[int, ...], float]], proposal_ms:
     else:
         costs = step_costs(model, [p for p, _ in order], proposal_ms)
         atomic_write(path, json.dumps(costs))
-    return {**choose(order, costs), "step_ms_by_drafts": costs, "precision": model.precision}
+    return {**choose(order, costs, min_gain), "step_ms_by_drafts": costs, "precision": model.precision,
+            "min_gain": min_gain}
