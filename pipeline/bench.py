@@ -220,7 +220,7 @@ def pipeline_report(p: Pipeline, base: Pipeline, reqs) -> dict:
               "mean_step_ms": rnd(statistics.mean(steps_ms) if steps_ms else None),
               "tree_step_ms": rnd(s["tree_step_ms"]), "plain_step_ms": rnd(s["plain_step_ms"]),
               "acceptance_by_depth": {d: round(v, 3) for d, v in s["acceptance_by_depth"].items()}}
-    policy = getattr(getattr(p.runner, "proposer", None), "policy", None)
+    policy = getattr(getattr(p.runner, "proposer", None) or getattr(p.runner, "idle_proposer", None), "policy", None)
     if policy:  # the proposer's tree size for this machine (0 = plain decoding)
         report["speculation"] = {k: policy[k] for k in ("nodes", "expected_speedup", "expected_accept_length")}
     kv = getattr(p.runner, "kv", None)  # our engines: the KV pool's memory, peak over warm-up and rounds

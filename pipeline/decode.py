@@ -243,7 +243,7 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
 def speculation_policy(engine: Engine, name: str) -> dict | None:
     """The proposer's sizing decision (components/proposer/policy.py), said in one line when it is
     plain decoding; None for proposers without one."""
-    policy = getattr(engine.proposer, "policy", None)
+    policy = getattr(engine.proposer or engine.idle_proposer, "policy", None)
     if not policy:
         return None
     out = {k: policy[k] for k in ("nodes", "expected_speedup", "expected_accept_length", "precision")}

@@ -94,6 +94,10 @@ class MedusaProposer(Proposer):
         self.policy = size_tree(backbone, order, proposal_ms, digest, self.min_gain)
         return self.policy["choices"]
 
+    @property
+    def active(self) -> bool:
+        return self.dynamic or self.tree is not None
+
     def propose(self, state: DecodeState) -> Tree | None:
         return self.propose_all([state])[0]
 

@@ -66,6 +66,9 @@ class Engine:
                             "with speculation use verifier=exact (or verifier=typical), or drop the proposer")
         self.model, self.kv, self.sampler = model, kv, sampler
         self.eos_ids, self.max_new_tokens = set(eos_ids), max_new_tokens
+        self.idle_proposer = None  # a proposer that will never draft (kept for what it reports)
+        if proposer is not None and not proposer.active:
+            self.idle_proposer, proposer = proposer, None  # e.g. no tree pays here: plain steps, no overhead
         self.proposer, self.verifier = proposer, verifier
         self.seed, self.batch_size = seed, batch_size
         self.target = TargetStage(sampler.processors, greedy=sampler.greedy)

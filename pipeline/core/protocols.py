@@ -25,6 +25,12 @@ class Proposer(ABC):
     # for deterministic drafts (argmax, top-k ranks, lookups), whose q is one-hot
     sampled: bool = False
 
+    @property
+    def active(self) -> bool:
+        """False when the proposer will never draft (e.g. its policy chose plain decoding on this
+        machine): the engine then runs plain steps without consulting it."""
+        return True
+
     def start(self, seq: int, prompt_ids: list[int]) -> None:
         """A new sequence begins; `observe` follows with the prompt's hidden states."""
 
