@@ -31,12 +31,31 @@ def full_vocab_projection(heads: MedusaHeads, backbone, k: int) -> torch.Tensor:
     return w
 
 
+def backbone_for(checkpoint: Path, model_path: str | None):
+    """The backbone the heads were trained on, in float32 (the exported LM head rows are exact):
+    `model_path` when given, else the `model` config the training run stored beside the heads
+    (train_config.yaml: the tiny model, a local checkpoint), else the default model."""
+    from components.model.load import from_pretrained
+    if model_path:
+        return from_pretrained(model_path, dtype="float32")
+    stored = checkpoint.parent / "train_config.yaml"
+    if stored.is_file():
+        from omegaconf import OmegaConf
+
+        from pipeline.build import component
+        model_cfg = OmegaConf.load(stored).get("model")
+        if model_cfg is not None:
+            if "dtype" in model_cfg:
+                model_cfg.dtype = "float32"
+            return component(model_cfg)
+    return from_pretrained(dtype="float32")
+
+
 def export(checkpoint: str, out_dir: str, fmt: str = "medusa", model_path: str | None = None, backbone=None) -> Path:
     if fmt not in ("medusa", "vllm"):
         raise UserError(f"--format must be medusa or vllm, got {fmt!r}")
     if backbone is None:
-        from components.model.load import from_pretrained
-        backbone = from_pretrained(model_path)
+        backbone = backbone_for(Path(checkpoint), model_path)
     heads = MedusaHeads.load(checkpoint, backbone)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -68,7 +87,7 @@ def main(argv=None):
     p.add_argument("checkpoint")
     p.add_argument("out_dir")
     p.add_argument("--format", default="medusa", choices=["medusa", "vllm"])
-    p.add_argument("--model-path", default=None, help="the backbone (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model-path", default=None, help="the backbone (default: the one in the heads' train_config.yaml, else SmolLM2-135M-Instruct)")
     a = p.parse_args(argv)
     out = export(a.checkpoint, a.out_dir, a.format, a.model_path)
     print(f"exported {a.checkpoint} in {a.format} layout -> {out}", file=sys.stderr)

@@ -72,6 +72,10 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
 def main(cfg: DictConfig) -> dict:
     metrics, _ = train(cfg)
     print(json.dumps(metrics, indent=2), file=sys.stderr)
+    from pipeline.io import run_dir
+    heads = run_dir(cfg) / "heads.safetensors"
+    print(f"heads written to {heads}; decode with them: python -m pipeline decode=tree_medusa "
+          f"proposer.checkpoint={heads} proposer.tree_file=null", file=sys.stderr)
     return metrics
 
 

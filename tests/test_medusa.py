@@ -228,6 +228,14 @@ def test_p_min_drops_unlikely_drafts_and_stays_lossless(trained, tiny_backbone, 
     assert sizes[0.0] > sizes[0.3] >= sizes[0.9999] == 0
 
 
+def test_export_finds_the_backbone_the_heads_were_trained_on(trained, tmp_path):
+    """Heads trained on model=tiny export with no backbone given: train_config.yaml names it."""
+    from pipeline.export import export
+    root, _, _ = trained
+    out = export(str(root / "run" / "heads.safetensors"), str(tmp_path / "out"))
+    assert (out / "medusa_lm_head.safetensors").is_file()
+
+
 @pytest.mark.parametrize("fmt", ["medusa", "vllm"])
 def test_export_layouts(trained, tiny_backbone, tmp_path, fmt):
     from pipeline.export import export
