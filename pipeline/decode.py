@@ -188,6 +188,10 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
             if len(ids) >= limit:
                 raise UserError(f"request {reqs[k].id}: prompt is {len(ids)} tokens, the model's context is "
                                 f"{limit}: shorten it or raise model.max_seq_len")
+        made_in = {it.get("precision") for it in done.values()} - {None, backbone.precision}
+        if made_in:
+            raise UserError(f"{items_path} holds requests decoded in {', '.join(sorted(made_in))}, this run computes in "
+                            f"{backbone.precision}: pass model.dtype={sorted(made_in)[0]} to resume, or a new hydra.run.dir")
         policy = speculation_policy(engine, name)
         if done:
             print(f"resuming in {out}: {len(done)} of {len(reqs)} requests already finished", file=sys.stderr)
@@ -200,7 +204,7 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
         def finished(j: int, g: Generation):
             r = reqs[todo[j]]
             item = {"id": r.id, "prompt": r.prompt, "text": tok.decode(g.token_ids, skip_special_tokens=True),
-                    **gen_fields(g), "request_key": keys[r.id]}
+                    **gen_fields(g), "request_key": keys[r.id], "precision": backbone.precision}
             with signals.saving_item():
                 append_jsonl(items_path, item)
                 fresh[r.id] = item

@@ -149,3 +149,21 @@ def test_tiny_modes_decode_losslessly_and_record_their_precision(dtype, tmp_path
                           "stream=false"], output_dir=tmp_path, prompt="hello")
     _, objs = decode(cfg)
     assert objs["results"]["summary"]["precision"] == dtype
+
+
+def test_resume_refuses_items_of_another_precision(tmp_path):
+    """A run directory's finished requests were decoded in one precision; resuming in another would
+    mix them: a one-line error names both."""
+    import json as _json
+    from pipeline.decode import decode
+    from conftest import compose_config
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": "a", "prompt": "hello"}\n{"id": "b", "prompt": "there"}\n')
+    args = ["model=tiny", "decode=greedy", "max_new_tokens=3", "chat=false", "stream=false", f"input={inp}"]
+    decode(compose_config(args, output_dir=tmp_path / "run"))
+    items = tmp_path / "run" / "items.jsonl"
+    lines = [_json.loads(x) for x in items.read_text().splitlines()]
+    assert all(x["precision"] == "float32" for x in lines)
+    items.write_text("".join(_json.dumps({**x, "precision": "q4"}) + "\n" for x in lines[:1]))
+    with pytest.raises(UserError, match="decoded in q4, this run computes in float32"):
+        decode(compose_config(args, output_dir=tmp_path / "run"))

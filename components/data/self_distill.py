@@ -74,7 +74,8 @@ def build_self_distill(backbone, max_samples: int = 2000, max_new_tokens: int = 
     for name, v in (("max_samples", max_samples), ("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"`data.{name}` must be a positive int, got {v}")
-    config = {"model": backbone.name, "fingerprint": backbone.model.fingerprint(), "max_samples": max_samples,
+    config = {"model": backbone.name, "fingerprint": backbone.model.fingerprint(), "precision": backbone.precision,
+              "max_samples": max_samples,
               "max_new_tokens": max_new_tokens, "prompt_seed": prompt_seed, "chat": chat, "decoding": "greedy"}
     out = data_dir(root, config)
     final = out / "data.safetensors"

@@ -90,8 +90,13 @@ def dequantize(t: RawTensor) -> torch.Tensor:
         d = _f16(b[..., :2])
         q = _nibbles(b[..., 2:]).float().view(*d.shape[:2], BLOCK)
         return ((q - 8) * d).reshape(t.shape)
-    raise UserError(f"GGUF tensor type {t.kind} is not supported (supported: {', '.join([*PLAIN, *QUANTIZED])}): "
-                    "convert the file with llama.cpp's `llama-quantize` to Q4_1, Q4_0, Q8_0 or F16")
+    try:  # the other ggml types (K-quants, ...): gguf-py's own de-quantizer
+        from gguf import GGMLQuantizationType
+        from gguf import dequantize as gguf_dequantize
+        return torch.from_numpy(gguf_dequantize(t.data, GGMLQuantizationType[t.kind]).copy()).float().reshape(t.shape)
+    except (KeyError, NotImplementedError, ValueError) as e:
+        raise UserError(f"GGUF tensor type {t.kind} is not supported here ({e}): convert the file with llama.cpp's "
+                        "`llama-quantize` to Q4_1, Q4_0, Q8_0 or F16") from None
 
 
 def q4_blocks(t: RawTensor) -> Q4Blocks | None:
@@ -147,6 +152,9 @@ class GGUFFile:
             if kind != "linear":
                 raise UserError(f"{self.path.name}: RoPE scaling {kind!r} is not supported (none, linear)")
             scaling = {"rope_type": "linear", "factor": float(self.value(a + "rope.scaling.factor"))}
+        if "rope_freqs.weight" in self.tensors:
+            raise UserError(f"{self.path.name}: per-frequency RoPE factors (rope_freqs, Llama 3.1+ scaling) are not "
+                            "supported: load the model's Hugging Face folder instead (model.path=<folder>)")
         eos = self.value("tokenizer.ggml.eos_token_id")
         bos = self.value("tokenizer.ggml.bos_token_id")
         vocab = self.value(a + "vocab_size") or self.tensors["token_embd.weight"].shape[0]

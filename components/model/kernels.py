@@ -156,7 +156,9 @@ def machine_key(model) -> str:
         info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
         cpu = "|".join(line for line in info.splitlines() if line.startswith(("model name", "flags")))
     a = model.args
-    parts = [cpu or platform.processor(), torch.__version__, str(torch.get_num_threads()),
+    dev = model.device
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
+    parts = [cpu or platform.processor(), str(dev), gpu, torch.__version__, str(torch.get_num_threads()),
              torch.backends.cpu.get_cpu_capability(), f"{a.n_layers}x{a.dim}x{a.hidden_dim}x{a.vocab_size}",
              model.precision, str(a.tie_embeddings), "plan-v3"]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
@@ -197,7 +199,6 @@ def precision_costs(args, candidates: list[str], device: torch.device, cache: Pa
     """Milliseconds for the layer matrices of one plain step plus one 8-row tree, per precision, on
     random matrices of the model's shapes (one layer, scaled to all): what `precision=auto` picks by.
     About a second; cached per machine, thread count and model shape."""
-    from components.model.linear import Int4, quantize_q4
     path = None if cache is None else cache / f"precisions-{_precision_key(args, device)}.json"
     known = json.loads(path.read_text()) if path is not None and path.is_file() else {}
     todo = [c for c in candidates if c not in known]
@@ -206,22 +207,32 @@ def precision_costs(args, candidates: list[str], device: torch.device, cache: Pa
               (args.hidden_dim, args.dim)]  # [in, out]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for mode in todo:
-        total = 0.0
-        for k, n in shapes:
-            w = torch.randn(k, n, device=device) * 0.02
-            if mode == "q4":
-                m = Int4(*quantize_q4(w.t().cpu()), device=device)
-                fns = {"int4": lambda x, m=m: m(x)}
-                dt = torch.bfloat16
-            else:
-                dt = getattr(torch, mode)
-                wd, wt = w.to(dt), w.t().contiguous().to(dt)
-                fns = {kern: (lambda x, kern=kern, wd=wd, wt=wt: matmul(x, wd, wt, kern)) for kern in KERNELS}
-            for rows in (1, 8):
-                x = torch.randn(rows, k, device=device).to(dt)
-                total += min(_time(lambda f=f: (f(x), sync()), reps=5) for f in fns.values())
-        known[mode] = round(total * args.n_layers * 1e3, 3)
+        try:
+            known[mode] = _precision_cost(mode, args, shapes, device, sync)
+        except RuntimeError:  # this device has no kernel for it (e.g. int4 on an old GPU): not a candidate
+            known[mode] = float("inf")
     if todo and path is not None:
         from pipeline.core import atomic_write
         atomic_write(path, json.dumps(known))
-    return {c: known[c] for c in candidates}
+    out = {c: known[c] for c in candidates if known[c] != float("inf")}
+    return out or {"float32": 0.0}
+
+
+def _precision_cost(mode: str, args, shapes, device, sync) -> float:
+    """ms of the model's layer matrices for a plain step plus an 8-row tree in `mode` (one layer, scaled)."""
+    from components.model.linear import Int4, quantize_q4
+    total = 0.0
+    for k, n in shapes:
+        w = torch.randn(k, n, device=device) * 0.02
+        if mode == "q4":
+            m = Int4(*quantize_q4(w.t().cpu()), device=device)
+            fns = {"int4": lambda x, m=m: m(x)}
+            dt = torch.bfloat16
+        else:
+            dt = getattr(torch, mode)
+            wd, wt = w.to(dt), w.t().contiguous().to(dt)
+            fns = {kern: (lambda x, kern=kern, wd=wd, wt=wt: matmul(x, wd, wt, kern)) for kern in KERNELS}
+        for rows in (1, 8):
+            x = torch.randn(rows, k, device=device).to(dt)
+            total += min(_time(lambda f=f: (f(x), sync()), reps=5) for f in fns.values())
+    return round(total * args.n_layers * 1e3, 3)

@@ -68,7 +68,8 @@ class Int4(nn.Module):
             packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         else:  # CUDA's tiled format: two codes a byte, even index in the high nibble
             pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
-            packed = torch._convert_weight_to_int4pack(pairs, 8)
+            tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)  # K must divide into 16-wide tiles
+            packed = torch._convert_weight_to_int4pack(pairs, tiles)
         self.register_buffer("packed", packed)
         self.min_rows = 1
 

@@ -171,6 +171,7 @@ def assemble(args: LlamaArgs, weights: dict[str, torch.Tensor], q4: Q4, precisio
     model.source_fingerprint = fingerprint_of(args, wqkv0, weights["tok_embeddings.weight"])
     dtype = torch.float32 if precision == "float32" else torch.bfloat16
     model = model.to(dtype).eval().requires_grad_(False)
+    model.inv_freq = rope_inv_freq(args).float().to(device)  # RoPE frequencies stay float32 in every mode
     return model.optimize_for_decoding(cache_dir()) if optimize else model
 
 
@@ -225,6 +226,7 @@ def _from_gguf(path: Path, precision: str, device: torch.device) -> tuple[Transf
     from components.model import gguf
     f = gguf.GGUFFile(path)
     args = f.args()
+    from components.model.linear import quantize_q4
     layers = [f.matrices(args, i) for i in range(args.n_layers)]
     four_bit = all(t.kind in ("Q4_0", "Q4_1") for parts in layers for ps in parts.values() for t, _ in ps)
     precision, costs = resolve_precision(precision, ["float32", "bfloat16"] + ["q4"] * four_bit, args, device)
@@ -244,7 +246,9 @@ def _from_gguf(path: Path, precision: str, device: torch.device) -> tuple[Transf
             blocks = gguf.blocks(ps) if precision == "q4" else None
             if blocks is not None:
                 q4[p + n] = (blocks.codes, blocks.scale, blocks.zero)
-            else:  # float modes, and a matrix the file does not ship in 4 bits: kept dense
+            elif precision == "q4":  # a matrix the file does not ship in 4 bits: quantized at load
+                q4[p + n] = quantize_q4(gguf.dense(ps))
+            else:
                 weights[p + n + ".weight"] = gguf.dense(ps).t()
     wqkv0 = weights.get("layers.0.wqkv.weight")
     wqkv0 = gguf.dense(layers[0]["wqkv"]).t() if wqkv0 is None else wqkv0

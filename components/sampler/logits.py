@@ -111,4 +111,5 @@ class Sampler(SamplerBase):
     def choose(self, p: Target, generators) -> list[int]:
         if not self.do_sample:
             return p.argmax
-        return [int(torch.multinomial(p.probs[r], 1, generator=g)) for r, g in enumerate(generators)]
+        return [int(torch.multinomial(p.probs[r].cpu(), 1, generator=g))  # drawn on the host: CPU generators
+                for r, g in enumerate(generators)]

@@ -45,7 +45,7 @@ class ExactVerifier(Verifier):
                         break
                     residual = _normalise((residual - q).clamp_(min=0.0), probs[node])
             if chosen is None:  # every child rejected (recovered token) or a leaf (bonus token)
-                token = int(torch.multinomial(residual, 1, generator=generator))
+                token = int(torch.multinomial(residual.cpu(), 1, generator=generator))  # host draw: CPU generator
                 return Accepted(path=path, draft_tokens=[tokens[i] for i in path[1:]], bonus_token=token)
             path.append(chosen)
             node = chosen

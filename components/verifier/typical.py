@@ -35,6 +35,6 @@ class TypicalVerifier(Verifier):
             if accepted[i] and depth[i] > depth[best]:
                 best = i
         path = tree.path_to(best)
-        token = int(torch.multinomial(probs[best], 1, generator=generator))
+        token = int(torch.multinomial(probs[best].cpu(), 1, generator=generator))  # host draw: CPU generator
         toks = tokens.tolist()
         return Accepted(path=path, draft_tokens=[toks[i] for i in path[1:]], bonus_token=token)
