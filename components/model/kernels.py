@@ -151,17 +151,22 @@ def min_invariant_rows(fn, k: int, dtype: torch.dtype, device=None) -> int:
 
 def machine_key(model) -> str:
     """CPU model and features, torch version and threads, model shapes and precision, plan version."""
+    a = model.args
+    parts = [*machine_parts(model.device), f"{a.n_layers}x{a.dim}x{a.hidden_dim}x{a.vocab_size}",
+             model.precision, str(a.tie_embeddings), "plan-v3"]
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def machine_parts(device: torch.device) -> list[str]:
+    """What a measurement on this machine depends on: CPU model and features, the device (and its
+    GPU), torch version, thread count, the CPU capability torch dispatches to."""
     cpu = ""
     if Path("/proc/cpuinfo").is_file():
         info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
         cpu = "|".join(line for line in info.splitlines() if line.startswith(("model name", "flags")))
-    a = model.args
-    dev = model.device
-    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
-    parts = [cpu or platform.processor(), str(dev), gpu, torch.__version__, str(torch.get_num_threads()),
-             torch.backends.cpu.get_cpu_capability(), f"{a.n_layers}x{a.dim}x{a.hidden_dim}x{a.vocab_size}",
-             model.precision, str(a.tie_embeddings), "plan-v3"]
-    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return [cpu or platform.processor(), str(device), gpu, torch.__version__, str(torch.get_num_threads()),
+            torch.backends.cpu.get_cpu_capability()]
 
 
 def plan_for(model, cache: Path | None) -> KernelPlan:
@@ -185,12 +190,7 @@ def plan_for(model, cache: Path | None) -> KernelPlan:
 
 
 def _precision_key(args, device: torch.device) -> str:
-    cpu = ""
-    if Path("/proc/cpuinfo").is_file():
-        info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-        cpu = "|".join(line for line in info.splitlines() if line.startswith(("model name", "flags")))
-    parts = [cpu, str(device), torch.__version__, str(torch.get_num_threads()), torch.backends.cpu.get_cpu_capability(),
-             f"{args.n_layers}x{args.dim}x{args.hidden_dim}x{args.n_heads}x{args.n_kv_heads}"]
+    parts = [*machine_parts(device), f"{args.n_layers}x{args.dim}x{args.hidden_dim}x{args.n_heads}x{args.n_kv_heads}"]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 
