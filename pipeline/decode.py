@@ -16,10 +16,11 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.build import build_engine, check_paths, positive_int
+from pipeline.build import build_engine, check_constraint, check_paths, constraint_node, positive_int
 from pipeline.core import Engine, Generation, UserError
 from pipeline.errors import Interrupted
 from pipeline.io import append_jsonl, run_dir, write_json
@@ -49,6 +50,20 @@ def step_latency(items: list[dict]) -> dict[str, float | None]:
             "tree_steps": len(tree), "plain_steps": len(plain)}
 
 
+def constraint_stats(items: list[dict]) -> dict:
+    """For constrained requests: how many ended complete, drafts pruned for leaving the language, and
+    the constraint's cost per committed token (masks, tree walks, advances, applying the mask), the
+    median over steps."""
+    cons = [it for it in items if it.get("constraint")]
+    if not cons:
+        return {}
+    per_token = [ms * 1e3 / n for it in cons for ms, n in zip(it["mask_ms"], it["accepted_lengths"]) if n]
+    return {"constrained_requests": len(cons),
+            "constraint_complete": sum(bool(it["constraint_complete"]) for it in cons),
+            "pruned_drafts": sum(it["pruned_drafts"] for it in cons),
+            "mask_us_per_token": statistics.median(per_token) if per_token else None}
+
+
 def summarize(items: list[dict], wall_s: float) -> dict:
     """items: result items (or `gen_fields` of Generations). Step latencies are per request-step:
     with batching, one step is shared by every sequence in it."""
@@ -57,14 +72,18 @@ def summarize(items: list[dict], wall_s: float) -> dict:
     return {"requests": len(items), "new_tokens": new, "wall_s": round(wall_s, 4),
             "tokens_per_s": new / wall_s if wall_s > 0 else 0.0, "steps": steps,
             "mean_accepted_length": new / steps if steps else 0.0,
-            "acceptance_by_depth": depth_acceptance(items), **step_latency(items)}
+            "acceptance_by_depth": depth_acceptance(items), **step_latency(items), **constraint_stats(items)}
 
 
 def gen_fields(g: Generation) -> dict:
-    return {"token_ids": g.token_ids, "new_tokens": len(g.token_ids), "wall_s": round(g.wall_s, 4),
-            "steps": g.steps, "accepted_lengths": g.accepted_lengths, "finish_reason": g.finish_reason,
-            "prefill_ms": round(g.prefill_ms, 2), "mean_step_ms": statistics.mean(g.step_ms) if g.step_ms else None,
-            "step_ms": [round(ms, 3) for ms in g.step_ms], "step_nodes": g.step_nodes, "tree_depths": g.tree_depths}
+    out = {"token_ids": g.token_ids, "new_tokens": len(g.token_ids), "wall_s": round(g.wall_s, 4),
+           "steps": g.steps, "accepted_lengths": g.accepted_lengths, "finish_reason": g.finish_reason,
+           "prefill_ms": round(g.prefill_ms, 2), "mean_step_ms": statistics.mean(g.step_ms) if g.step_ms else None,
+           "step_ms": [round(ms, 3) for ms in g.step_ms], "step_nodes": g.step_nodes, "tree_depths": g.tree_depths}
+    if g.constraint is not None:
+        out.update(constraint=g.constraint, constraint_complete=g.constraint_complete, pruned_drafts=g.pruned_drafts,
+                   mask_ms=[round(ms, 4) for ms in g.mask_ms])
+    return out
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -157,22 +176,21 @@ class _Signals:
 
 
 def request_key(cfg: DictConfig, r) -> str:
-    """What decides a request's tokens: its text and the pipeline (model, sampler, proposer, verifier,
-    limits, seed, chat). Resuming refuses items made from another."""
-    parts = {"prompt": r.prompt, "messages": r.messages,
+    """What decides a request's tokens: its text, its constraint and the pipeline (model, sampler,
+    proposer, verifier, constraint, limits, seed, chat). Resuming refuses items made from another."""
+    parts = {"prompt": r.prompt, "messages": r.messages, "request_constraint": r.constraint,
              **{k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg.get(k), DictConfig) else cfg.get(k)
-                for k in ("model", "sampler", "proposer", "verifier", "max_new_tokens", "seed", "chat", "system_prompt")}}
+                for k in ("model", "sampler", "proposer", "verifier", "max_new_tokens", "seed", "chat", "system_prompt",
+                          "constraint")}}
     return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
     reqs = load_requests(cfg.get("input"), cfg.get("prompt"))  # bad input fails before the model loads
-    if any(r.constraint for r in reqs):
-        raise UserError("per-request constraints (json_schema/regex/grammar) are not available in this build; "
-                        "remove them from the input lines")
     positive_int(cfg, "max_new_tokens")
     positive_int(cfg, "batch_size")
     check_paths(cfg)
+    constraint_nodes = request_constraints(cfg, reqs)  # an invalid regex/schema/grammar fails here too
     name = preset_name(cfg)
     out = run_dir(cfg)
     items_path = out / "items.jsonl"
@@ -183,7 +201,9 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
     with signals.installed():  # from here on, SIGTERM is a clean stop like Ctrl-C
         engine, backbone = build_engine(cfg, backbone)
         tok, limit = backbone.tokenizer, backbone.model.args.max_seq_len
-        prompts = {k: encode(tok, reqs[k], bool(cfg.chat), cfg.get("system_prompt")) for k in todo}
+        grammars = build_grammars(engine, backbone, constraint_nodes, todo)
+        prompts = {k: encode(tok, with_constraint_text(reqs[k], grammars[k]), bool(cfg.chat), cfg.get("system_prompt"))
+                   for k in todo}
         for k, ids in prompts.items():
             if len(ids) >= limit:
                 raise UserError(f"request {reqs[k].id}: prompt is {len(ids)} tokens, the model's context is "
@@ -213,12 +233,16 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
                 if g.finish_reason == "context":
                     print(f"[{r.id}] stopped at the context end ({limit} tokens): shorten the prompt or raise "
                           "model.max_seq_len", file=sys.stderr)
+                if g.constraint_complete is False:
+                    print(f"[{r.id}] the output is incomplete: it stopped ({g.finish_reason}) before its {g.constraint} "
+                          "constraint could end; raise max_new_tokens", file=sys.stderr)
 
         out.mkdir(parents=True, exist_ok=True)
         interrupted, t0 = False, time.perf_counter()
         try:
             engine.run([prompts[k] for k in todo], [int(cfg.seed) + k for k in todo],
-                       on_tokens=printer.push if printer is not None else None, on_finish=finished)
+                       on_tokens=printer.push if printer is not None else None, on_finish=finished,
+                       grammars=[grammars[k] for k in todo])
         except KeyboardInterrupt:
             interrupted = True
         wall = time.perf_counter() - t0
@@ -244,6 +268,56 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
     return {**summary, "results_path": str(path)}, {"engine": engine, "backbone": backbone, "results": results}
 
 
+def request_constraints(cfg: DictConfig, reqs) -> dict[int, DictConfig | None]:
+    """Each request's constraint node (its own, else the configured one), every distinct one checked
+    now, before the model loads: an invalid regex, schema or grammar costs nothing."""
+    out, checked = {}, set()
+    for k, r in enumerate(reqs):
+        node = constraint_node(cfg, r.constraint)
+        key = None if node is None else OmegaConf.to_yaml(node)
+        if key is not None and key not in checked:
+            check_constraint(node, f"request {r.id}" if r.constraint else "constraint")
+            checked.add(key)
+        out[k] = node
+    return out
+
+
+def build_grammars(engine: Engine, backbone, nodes: dict, todo: list[int]) -> dict:
+    """Compiled grammars per request (the engine's own for the configured constraint; one object per
+    distinct request constraint)."""
+    from pipeline.build import component
+    configured = constraint_node_key(engine)
+    made, out = {}, {}
+    for k in todo:
+        node = nodes[k]
+        key = None if node is None else OmegaConf.to_yaml(node)
+        if key is None:
+            out[k] = None
+        elif key == configured[0]:
+            out[k] = configured[1]
+        else:
+            if key not in made:
+                made[key] = component(node, backbone)
+            out[k] = made[key]
+    return out
+
+
+def constraint_node_key(engine: Engine) -> tuple[str | None, object]:
+    node = getattr(engine, "constraint_node", None)
+    return (None if node is None else OmegaConf.to_yaml(node)), engine.constraint
+
+
+def with_constraint_text(r, grammar):
+    """The request with its constraint's text added to the prompt (`add_to_prompt`)."""
+    if grammar is None or not grammar.add_to_prompt or not grammar.text():
+        return r
+    if r.messages is not None:
+        msgs = [dict(m) for m in r.messages]
+        msgs[-1]["content"] = f"{msgs[-1]['content']}\n\n{grammar.text()}"
+        return replace(r, messages=msgs, prompt=msgs[-1]["content"])
+    return replace(r, prompt=f"{r.prompt}\n\n{grammar.text()}")
+
+
 def speculation_policy(engine: Engine, name: str) -> dict | None:
     """The proposer's sizing decision (components/proposer/policy.py), said in one line when it is
     plain decoding; None for proposers without one."""
@@ -266,10 +340,13 @@ def verify_lossless(engine: Engine, backbone, cfg, reqs, items) -> dict:
     """Re-run every request with plain decoding (same sampler, no proposer) and report the first
     divergence, if any, on the terminal and in the items."""
     plain = Engine(engine.model, engine.kv, engine.sampler, list(engine.eos_ids), engine.max_new_tokens,
-                   seed=engine.seed, batch_size=engine.batch_size)
+                   seed=engine.seed, batch_size=engine.batch_size, constraint=engine.constraint)
     index = {r.id: k for k, r in enumerate(reqs)}
-    prompts = [encode(backbone.tokenizer, reqs[index[it["id"]]], bool(cfg.chat), cfg.get("system_prompt")) for it in items]
-    ref, _ = run_requests(plain, prompts, [int(cfg.seed) + index[it["id"]] for it in items])
+    ks = [index[it["id"]] for it in items]
+    grammars = build_grammars(engine, backbone, request_constraints(cfg, reqs), ks)
+    prompts = [encode(backbone.tokenizer, with_constraint_text(reqs[k], grammars[k]), bool(cfg.chat),
+                      cfg.get("system_prompt")) for k in ks]
+    ref, _ = run_requests(plain, prompts, [int(cfg.seed) + k for k in ks], grammars=[grammars[k] for k in ks])
     diverged = 0
     for item, r in zip(items, ref):
         d = first_divergence(item["token_ids"], r.token_ids)

@@ -6,10 +6,10 @@ from pipeline.core.io import append_jsonl, atomic_write, write_json
 from pipeline.core.tree import StaticTree, Tree, dynamic_tree
 from pipeline.core.types import Accepted, DecodeState, Generation, StepBatch
 from pipeline.core.target import Target, TargetStage
-from pipeline.core.protocols import Constraint, KVManager, LogitsProcessor, Proposer, Sampler, Verifier
+from pipeline.core.protocols import Constraint, Grammar, KVManager, LogitsProcessor, Proposer, Sampler, Verifier
 from pipeline.core.chat import encode_chat
 from pipeline.core.engine import Engine, forward_rows
 
-__all__ = ["Accepted", "Constraint", "DecodeState", "Engine", "Generation", "KVManager", "LogitsProcessor",
+__all__ = ["Accepted", "Constraint", "DecodeState", "Engine", "Generation", "Grammar", "KVManager", "LogitsProcessor",
            "Proposer", "Sampler", "StaticTree", "StepBatch", "Target", "TargetStage", "Tree", "UserError",
            "Verifier", "append_jsonl", "atomic_write", "dynamic_tree", "encode_chat", "forward_rows", "write_json"]

@@ -9,6 +9,12 @@ is admitted (joining prompts prefilled together) before the next step: continuou
 The root of a sequence is its newest token, already chosen and streamed, whose keys/values are not
 cached yet; a step with no draft is exactly a plain decode step, and every step commits
 accept_length + 1 tokens per target forward.
+
+A request may carry a constraint (a `Grammar`): its sequence then holds a `Constraint` state, every
+row of it is masked with the allowed set of its own state in the target stage, drafts that leave the
+language are pruned before the forward (`walk_tree`), and committed tokens advance the state. When
+nothing but EOS may follow, the request ends (`constraint_complete`) with that EOS appended without
+a forward: the masked distribution is one-hot on it.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from pipeline.core.constrain import walk_tree, words
 from pipeline.core.errors import UserError
 from pipeline.core.target import TargetStage
 from pipeline.core.tree import Tree
@@ -46,7 +53,9 @@ class _Live:
     gen: Generation
     generator: torch.Generator
     t0: float
+    constraint: object = None  # its Constraint state, when the request is constrained
     done: bool = False
+    mask_s: float = 0.0  # constraint time (masks, tree walk, advances) in the current step
 
 
 class Engine:
@@ -55,7 +64,7 @@ class Engine:
     matmuls, see the README) and sampling is seeded per request."""
 
     def __init__(self, model, kv, sampler, eos_ids: list[int], max_new_tokens: int, proposer=None,
-                 verifier=None, seed: int = 0, batch_size: int = 1):
+                 verifier=None, seed: int = 0, batch_size: int = 1, constraint=None):
         for name, v in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise UserError(f"{name} must be a positive int, got {v}")
@@ -71,22 +80,26 @@ class Engine:
             self.idle_proposer, proposer = proposer, None  # e.g. no tree pays here: plain steps, no overhead
         self.proposer, self.verifier = proposer, verifier
         self.seed, self.batch_size = seed, batch_size
+        self.constraint = constraint  # the Grammar every request follows unless it brings its own
         self.target = TargetStage(sampler.processors, greedy=sampler.greedy)
 
     # --- public ------------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], on_tokens: Callable[[list[int]], None] | None = None,
-                 seed: int | None = None) -> Generation:
+                 seed: int | None = None, grammar=None) -> Generation:
         """One request on its own."""
         cb = None if on_tokens is None else (lambda i, ids, hidden: on_tokens(ids))
-        return self.run([prompt_ids], [self.seed if seed is None else seed], on_tokens=cb)[0]
+        return self.run([prompt_ids], [self.seed if seed is None else seed], on_tokens=cb,
+                        grammars=None if grammar is None else [grammar])[0]
 
     @torch.inference_mode()
     def run(self, prompts: list[list[int]], seeds: list[int] | None = None,
             on_tokens: Callable[[int, list[int], torch.Tensor], None] | None = None,
-            on_finish: Callable[[int, Generation], None] | None = None) -> list[Generation]:
+            on_finish: Callable[[int, Generation], None] | None = None,
+            grammars: list | None = None) -> list[Generation]:
         """Decode every prompt. on_tokens(i, ids, hidden): request i committed `ids`, chosen by the
-        target states hidden (n, dim); on_finish(i, generation) as soon as request i is done. On any
-        exception (a failure, Ctrl-C) every live sequence's memory goes back to the pool first."""
+        target states hidden (n, dim); on_finish(i, generation) as soon as request i is done.
+        grammars[i]: request i's own constraint (None: the engine's). On any exception (a failure,
+        Ctrl-C) every live sequence's memory goes back to the pool first."""
         limit = self.model.args.max_seq_len
         for i, p in enumerate(prompts):
             if not p:
@@ -95,6 +108,8 @@ class Engine:
                 raise UserError(f"request {i}: prompt is {len(p)} tokens, the model's context is {limit}: "
                                 "shorten it or raise model.max_seq_len")
         seeds = [self.seed + i for i in range(len(prompts))] if seeds is None else list(seeds)
+        grammars = [g or self.constraint for g in grammars] if grammars is not None else [self.constraint] * len(prompts)
+        self._grammars = grammars
         queue, live = deque(range(len(prompts))), []
         out: list[Generation | None] = [None] * len(prompts)
         try:
@@ -136,14 +151,20 @@ class Engine:
         t0 = time.perf_counter()
         joined = []
         for i, prompt, seed in group:
+            grammar = self._grammars[i]
             joined.append(_Live(i, self.kv.create(), len(prompt), list(prompt), None, Generation(),
-                                torch.Generator().manual_seed(seed), t0))
+                                torch.Generator().manual_seed(seed), t0,
+                                None if grammar is None else grammar.start()))
+            joined[-1].gen.constraint = None if grammar is None else grammar.kind
             live.append(joined[-1])
         step = StepBatch.build([s.seq for s in joined], [torch.tensor(s.tokens) for s in joined],
                                [None] * len(joined), [None] * len(joined), [0] * len(joined), self.model.attn_dtype)
         h = self.model.step(step, self.kv)  # (R, dim): every prompt position of every joining request
         last = [o - 1 for o in step.offsets[1:]]
-        p = self.target(self.model.logits(h[last]), input_ids=lambda: [s.tokens for s in joined])
+        allowed = self._masks(joined, [None] * len(joined), [1] * len(joined))
+        p = self.target(self.model.logits(h[last]), input_ids=lambda: [s.tokens for s in joined], allowed=allowed,
+                        describe=self._describe(joined, [1] * len(joined)))
+        self._share_apply(joined, allowed)
         ms = (time.perf_counter() - t0) * 1e3
         for b, s in enumerate(joined):
             self.kv.commit(s.seq)
@@ -154,6 +175,7 @@ class Engine:
             s.hidden = h[last[b]]
             s.gen.prefill_ms = ms
             self._emit(s, [first], h[last[b]:last[b] + 1], on_tokens)
+            self._note_mask(s)
 
     def _release(self, s: _Live) -> None:
         if s.seq in self.kv.sequences:
@@ -183,21 +205,31 @@ class Engine:
             if kv.pending(s.seq):
                 raise RuntimeError(f"{type(self.proposer).__name__} left {kv.pending(s.seq)} tentative KV slots "
                                    "of a sequence: a drafting proposer must discard its own slots")
-        trees = []
+        trees, node_bits = [], []
         for s in live:
-            tree = proposals.get(s.seq)
+            tree, bits = proposals.get(s.seq), None
             if tree is None:
                 tree = Tree.root(s.tokens[-1])
             else:  # never more nodes than tokens left, never a draft past max_new_tokens or the context
                 budget = self._budget(s)
                 tree = tree.prune(budget - 1, min(budget, model.args.max_seq_len - kv.used(s.seq)))
+                if s.constraint is not None and tree.size > 1:  # drafts that leave the language go now
+                    t0 = time.perf_counter()
+                    tree, bits, pruned = walk_tree(s.constraint, tree, self.eos_ids, model.args.vocab_size)
+                    s.gen.pruned_drafts += pruned
+                    s.mask_s += time.perf_counter() - t0
             trees.append(tree)
+            node_bits.append(bits)
         step = StepBatch.build([s.seq for s in live], [tr.tokens for tr in trees],
                                [None if tr.size == 1 else tr.depth for tr in trees],
                                [None if tr.size == 1 else tr.mask for tr in trees],
                                [kv.used(s.seq) for s in live], model.attn_dtype)
         h = model.step(step, kv)  # (R, dim)
-        p = self.target(model.logits(h), input_ids=lambda: _contexts(live, trees))
+        sizes = [tr.size for tr in trees]
+        allowed = self._masks(live, node_bits, sizes)
+        p = self.target(model.logits(h), input_ids=lambda: _contexts(live, trees), allowed=allowed,
+                        describe=self._describe(live, sizes))
+        self._share_apply(live, allowed)
         committed = []
         for s, tree, o in zip(live, trees, step.offsets):
             if tree.size == 1:
@@ -218,28 +250,99 @@ class Engine:
             s.gen.step_nodes.append(tree.size)
             s.gen.tree_depths.append(tree.max_depth)
             self._emit(s, new, hidden, on_tokens)
+            self._note_mask(s)
+
+    # --- constraints -------------------------------------------------------------------------------
+    def _masks(self, seqs: list[_Live], node_bits: list, sizes: list[int]) -> torch.Tensor | None:
+        """(R, W) packed allowed sets of a step's rows (None when no sequence is constrained): a tree's
+        rows from its walk, a root's from its state, an unconstrained sequence's rows all set."""
+        if all(s.constraint is None for s in seqs):
+            return None
+        t0 = time.perf_counter()
+        vocab = self.model.args.vocab_size
+        bits = torch.full((sum(sizes), words(vocab)), -1, dtype=torch.int32)
+        o = 0
+        for s, nb, n in zip(seqs, node_bits, sizes):
+            if nb is not None:
+                bits[o:o + n] = nb
+            elif s.constraint is not None:
+                s.constraint.fill(bits[o])
+            o += n
+        share = (time.perf_counter() - t0) / sum(s.constraint is not None for s in seqs)
+        for s in seqs:
+            s.mask_s += share if s.constraint is not None else 0.0
+        return bits
+
+    def _share_apply(self, seqs: list[_Live], allowed) -> None:
+        """The target stage's masking time, shared by the step's constrained sequences."""
+        if allowed is not None:
+            n = sum(s.constraint is not None for s in seqs)
+            for s in seqs:
+                s.mask_s += self.target.mask_s / n if s.constraint is not None else 0.0
+
+    def _describe(self, seqs: list[_Live], sizes: list[int]) -> Callable[[int], str]:
+        """Names the request, node and constraint state of row r (for the empty-allowed-set error)."""
+        def describe(r: int) -> str:
+            o = 0
+            for s, n in zip(seqs, sizes):
+                if r < o + n:
+                    where = f"request {s.index}" + (f", draft node {r - o}" if n > 1 else "")
+                    return f"{where}: {s.constraint.describe() if s.constraint is not None else 'unconstrained'}"
+                o += n
+            return f"row {r}"
+        return describe
+
+    def _note_mask(self, s: _Live) -> None:
+        if s.constraint is not None:
+            s.gen.mask_ms.append(s.mask_s * 1e3)
+        s.mask_s = 0.0
 
     def _emit(self, s: _Live, new: list[int], hidden: torch.Tensor, on_tokens) -> None:
         """Append committed tokens, stopping exactly where plain decoding would: at the first EOS,
-        at max_new_tokens or at the context end, even inside an accepted path."""
+        where the constraint is complete, at max_new_tokens or at the context end, even inside an
+        accepted path."""
         gen, out = s.gen, []
         limit = self.model.args.max_seq_len
+        c = s.constraint
         for tok in new:
             out.append(tok)
             n = len(gen.token_ids) + len(out)
             if tok in self.eos_ids:
                 gen.finish_reason, s.done = "eos", True
+            elif c is not None and self._advance(s, tok):
+                gen.finish_reason, s.done = "constraint_complete", True
+                if n < self.max_new_tokens and s.prompt_len + n < limit:  # the one token it allows
+                    out.append(self._end_token(c))
             elif n >= self.max_new_tokens:
                 gen.finish_reason, s.done = "length", True
             elif s.prompt_len + n >= limit:
                 gen.finish_reason, s.done = "context", True
             if s.done:
                 break
+        if s.done and c is not None:
+            gen.constraint_complete = gen.finish_reason in ("eos", "constraint_complete") or c.can_end()
         gen.token_ids += out
         gen.accepted_lengths.append(len(out))
         s.tokens += new
         if on_tokens is not None and out:
             on_tokens(s.index, out, hidden[:len(out)])
+
+
+    def _advance(self, s: _Live, tok: int) -> bool:
+        """Move the sequence's constraint past a committed token; True when it is then complete."""
+        t0 = time.perf_counter()
+        if not s.constraint.advance(tok):
+            raise RuntimeError(f"request {s.index}: token {tok} was committed but its constraint does not allow it "
+                               f"({s.constraint.describe()}): the target rows were not masked with its state")
+        complete = s.constraint.is_complete()
+        s.mask_s += time.perf_counter() - t0
+        return complete
+
+    def _end_token(self, c) -> int:
+        bits = torch.zeros(words(self.model.args.vocab_size), dtype=torch.int32)
+        c.fill(bits)
+        allowed = [e for e in sorted(self.eos_ids) if (int(bits[e >> 5]) >> (e & 31)) & 1]
+        return allowed[0] if allowed else min(self.eos_ids)
 
 
 def _contexts(live: list[_Live], trees: list[Tree]) -> list[list[int]]:

@@ -5,6 +5,7 @@
     target(logits, ...) -> Target                     the processed target distribution, per row
     verifier.verify(tree, p, generator) -> Accepted  which drafts to keep, and the bonus token
     kv.commit(seq, path); proposer.observe(seq, tokens, hidden)
+    constraint.fill(bits) / advance(token) / rollback(n) / fork()   per-sequence allowed sets
 """
 from __future__ import annotations
 
@@ -86,25 +87,54 @@ class Sampler(ABC):
 
 
 class Constraint(ABC):
-    """A per-sequence automaton over tokens (regex, JSON schema, grammar): which tokens may come next.
-    Filled in by the constraint components; the target stage applies `allowed` as a mask."""
+    """One sequence's automaton state (an FSM, a regex / JSON-schema / grammar matcher): which tokens
+    may come next. The target stage masks every row with its sequence's (or tree node's) allowed set;
+    the engine advances the state with each committed token and rolls back what a draft walk tried.
+    Allowed sets travel packed, as in XGrammar and vLLM: (ceil(V / 32),) int32, bit v % 32 of word
+    v // 32 set when token v is allowed. EOS tokens are allowed exactly where the language may end
+    and are never passed to `advance` (the engine ends the request on them)."""
 
     @abstractmethod
-    def allowed(self) -> torch.Tensor:
-        """(V,) bool: the tokens allowed in the current state."""
+    def fill(self, bits: torch.Tensor) -> None:
+        """Write the allowed set of the current state into bits (W,) int32 (never mutates state)."""
 
     @abstractmethod
-    def advance(self, token: int) -> None: ...
+    def advance(self, token: int) -> bool:
+        """Move past `token`; False (state unchanged) when the token is not allowed here."""
 
     @abstractmethod
     def rollback(self, n: int) -> None:
-        """Undo the last n tokens (rejected drafts)."""
+        """Undo the last n advances (rejected drafts)."""
 
     @abstractmethod
-    def fork(self) -> "Constraint": ...
+    def fork(self) -> "Constraint":
+        """An independent copy of the state (a beam that splits, a draft walk)."""
 
     @abstractmethod
-    def is_complete(self) -> bool: ...
+    def is_complete(self) -> bool:
+        """Nothing but EOS may follow: the output is a whole sentence of the language and ends here."""
+
+    @abstractmethod
+    def can_end(self) -> bool:
+        """EOS is allowed now: the output so far is a whole sentence (it might still go on)."""
+
+    def describe(self) -> str:
+        """The state and the text so far, for the empty-allowed-set error."""
+        return "the current state"
+
+
+class Grammar(ABC):
+    """A compiled constraint (the `constraint` config group): makes one `Constraint` state per
+    sequence. `kind` names it in results; `text` is what `add_to_prompt` shows the model."""
+    kind: str = "constraint"
+    add_to_prompt: bool = False
+
+    @abstractmethod
+    def start(self) -> Constraint:
+        """The state at the beginning of the generated text."""
+
+    def text(self) -> str:
+        return ""
 
 
 class KVManager(ABC):

@@ -1,32 +1,49 @@
 """The target-distribution stage: the one place where target logits become what the sampler and the
 verifiers read. Every row of a step goes through it: a plain step's root, the nodes of a tree, live
 beams. Logits processors run in order (transformers' protocol), then a per-row mask of allowed
-tokens (constraints), then the softmax: the target distribution p is the processed, masked one.
+tokens (constraints: the masked distribution, renormalised over the allowed set), then the softmax: the target distribution p is the processed, masked one.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
 
+from pipeline.core.constrain import unpack
 from pipeline.core.errors import UserError
 
 
 class Target:
-    """Processed target scores of R rows. scores: (R, V) float32, -inf where a token is not allowed;
+    """Processed target scores of R rows. `scores` (R, V) float32, -inf where a token is not allowed;
     `probs` (R, V), the distribution p the sampler draws from (one-hot on the argmax when decoding
-    greedily), and `argmax` (R,) are computed on first use and shared by every consumer."""
+    greedily), and `argmax` (R,) are computed on first use and shared by every consumer.
 
-    def __init__(self, scores: torch.Tensor, greedy: bool = False):
-        self.scores, self.greedy = scores, greedy
+    With a constraint, `allowed` holds the rows' packed allowed sets and the mask is applied only when
+    someone reads `scores` or `probs`: a greedy argmax first takes the unmasked argmax and keeps it
+    where the row allows it (then it is the masked argmax too: the same maximum, and no allowed token
+    before it holds it), so greedy constrained decoding rarely touches the whole vocabulary twice."""
+
+    def __init__(self, scores: torch.Tensor, greedy: bool = False, allowed: torch.Tensor | None = None):
+        self.greedy, self.allowed = greedy, allowed
+        self._raw = scores
+        self._scores: torch.Tensor | None = scores if allowed is None else None
         self._probs: torch.Tensor | None = None
         self._argmax: list[int] | None = None
+
+    @property
+    def scores(self) -> torch.Tensor:
+        if self._scores is None:
+            self._scores = self._raw.masked_fill(~unpack(self.allowed, self._raw.shape[-1]).to(self._raw.device),
+                                                 float("-inf"))
+        return self._scores
 
     @property
     def probs(self) -> torch.Tensor:
         if self._probs is None:
             if self.greedy:
-                self._probs = torch.zeros_like(self.scores).scatter_(-1, self.scores.argmax(-1, keepdim=True), 1.0)
+                idx = torch.tensor(self.argmax, device=self._raw.device)[:, None]
+                self._probs = torch.zeros_like(self._raw).scatter_(-1, idx, 1.0)
             else:
                 self._probs = self.scores.softmax(-1)
         return self._probs
@@ -34,12 +51,35 @@ class Target:
     @property
     def argmax(self) -> list[int]:
         if self._argmax is None:
-            self._argmax = self.scores.argmax(-1).tolist()
+            if self._scores is not None:
+                self._argmax = self._scores.argmax(-1).tolist()
+            else:
+                raw = self._raw.argmax(-1).cpu()  # (R,)
+                ok = _allows(self.allowed, raw[:, None])[:, 0]
+                out = raw.tolist()
+                for r in (~ok).nonzero().flatten().tolist():
+                    out[r] = self._masked_argmax(r)
+                self._argmax = out
         return self._argmax
+
+    def _masked_argmax(self, r: int, k: int = 32) -> int:
+        """Row r's argmax among its allowed tokens: among the k best raw scores when one of them is
+        allowed and no tie could hide a lower index, else over the masked row."""
+        top = self._raw[r].topk(k)
+        vals, idx = top.values.cpu(), top.indices.cpu()
+        ok = _allows(self.allowed[r:r + 1], idx[None])[0]
+        if bool(ok.any()):
+            first = int(ok.nonzero()[0])
+            best = vals[first]
+            if bool(vals[-1] < best):  # every token scoring `best` is among the k
+                return int(idx[ok & (vals == best)].min())
+        return int(self.scores[r].argmax())
 
     def rows(self, start: int, stop: int) -> "Target":
         """The rows [start, stop), sharing whatever was already computed."""
-        out = Target(self.scores[start:stop], self.greedy)
+        out = Target(self._raw[start:stop], self.greedy, None if self.allowed is None else self.allowed[start:stop])
+        if self._scores is not None:
+            out._scores = self._scores[start:stop]
         if self._probs is not None:
             out._probs = self._probs[start:stop]
         if self._argmax is not None:
@@ -47,7 +87,13 @@ class Target:
         return out
 
     def __len__(self) -> int:
-        return self.scores.shape[0]
+        return self._raw.shape[0]
+
+
+def _allows(bits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """bits (R, W) packed sets, idx (R, k) token ids -> (R, k) bool: whether row r allows idx[r, j]."""
+    bits = bits.to(idx.device)
+    return ((bits.gather(1, idx >> 5) >> (idx & 31)) & 1).bool()
 
 
 class TargetStage:
@@ -56,21 +102,29 @@ class TargetStage:
     def __init__(self, processors: list | None = None, greedy: bool = False):
         self.processors, self.greedy = list(processors or []), greedy
         self.needs_input_ids = any(getattr(p, "needs_input_ids", False) for p in self.processors)
+        self.mask_s = 0.0  # time the last call spent applying `allowed`
 
     def __call__(self, logits: torch.Tensor, input_ids: Callable[[], list[list[int]]] | None = None,
                  allowed: torch.Tensor | None = None, describe: Callable[[int], str] | None = None) -> Target:
         """logits: (R, V) float32. input_ids: builds the context of every row, called only when a
-        processor needs it. allowed: (R, V) bool, or None. describe(r): names row r in the error
-        raised when its allowed set is empty."""
+        processor needs it. allowed: the rows' allowed sets, packed (R, ceil(V / 32)) int32 (see
+        `pipeline.core.constrain`), or None. describe(r): names row r in the error raised when its
+        allowed set is empty."""
         scores = logits
         ids = input_ids() if self.needs_input_ids and input_ids is not None else None
         for proc in self.processors:
             scores = proc(ids, scores)
+        self.mask_s = 0.0
         if allowed is not None:
-            empty = ~allowed.any(-1)
+            t0 = time.perf_counter()
+            empty = ~(allowed != 0).any(-1)
             if bool(empty.any()):
                 r = int(empty.nonzero()[0])
                 raise UserError(f"no token is allowed at {describe(r) if describe else f'row {r}'}: "
                                 "the constraint cannot be continued; check it against the prompt")
-            scores = scores.masked_fill(~allowed, float("-inf"))
+            out = Target(scores.float(), self.greedy, allowed)
+            if not self.greedy:
+                out.scores  # sampling reads every row's masked distribution
+            self.mask_s = time.perf_counter() - t0
+            return out
         return Target(scores.float(), self.greedy)

@@ -49,6 +49,10 @@ class Generation:
     tree_depths: list[int] = field(default_factory=list)  # its deepest draft per step (0 = plain step)
     wall_s: float = 0.0  # from admission (prefill) to the last token
     prefill_ms: float = 0.0
+    constraint: str | None = None  # the kind of constraint the request followed, if any
+    constraint_complete: bool | None = None  # the output is a whole sentence of its language
+    pruned_drafts: int = 0  # drafts dropped before the forward because they leave the language
+    mask_ms: list[float] = field(default_factory=list)  # constraint time per step (masks, walk, advances)
 
     @property
     def steps(self) -> int:
