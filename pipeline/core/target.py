@@ -65,13 +65,14 @@ class Target:
     def _masked_argmax(self, r: int, k: int = 32) -> int:
         """Row r's argmax among its allowed tokens: among the k best raw scores when one of them is
         allowed and no tie could hide a lower index, else over the masked row."""
+        k = min(k, self._raw.shape[-1])
         top = self._raw[r].topk(k)
         vals, idx = top.values.cpu(), top.indices.cpu()
         ok = _allows(self.allowed[r:r + 1], idx[None])[0]
         if bool(ok.any()):
             first = int(ok.nonzero()[0])
             best = vals[first]
-            if bool(vals[-1] < best):  # every token scoring `best` is among the k
+            if k == self._raw.shape[-1] or bool(vals[-1] < best):  # every token scoring `best` is among the k
                 return int(idx[ok & (vals == best)].min())
         return int(self.scores[r].argmax())
 
