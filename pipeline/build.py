@@ -62,29 +62,32 @@ def constraint_node(cfg: DictConfig, request: dict | None = None) -> DictConfig 
     node = OmegaConf.load(CONF_DIR / "constraint" / f"{group}.yaml")
     if configured is not None and configured.get("_target_") == node.get("_target_"):
         node = configured.copy()
-    elif configured is not None and "add_to_prompt" in configured:
-        node.add_to_prompt = configured.add_to_prompt
+    elif cfg.get("constraint") and "add_to_prompt" in cfg.constraint:
+        node.add_to_prompt = cfg.constraint.add_to_prompt
     node[key] = spec if isinstance(spec, str) else json.dumps(spec)
     return node
 
 
-def check_constraint(node: DictConfig | None, where: str = "constraint") -> None:
-    """An invalid regex, schema or grammar fails here, before the model loads, with the engine's message."""
+def check_constraint(node: DictConfig | None, where: str = "constraint") -> list[str]:
+    """An invalid regex, schema or grammar fails here, before the model loads, with the engine's
+    message. Returns the engine's warnings (what it only approximates)."""
     if node is None:
-        return
+        return []
     cls = get_class(node._target_)
     kwargs = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not k.startswith("_")}
     try:
-        cls.check(**kwargs)
+        return list(cls.check(**kwargs) or [])
     except UserError as e:
         raise UserError(f"{where}: {e}" if where != "constraint" else str(e)) from None
 
 
-def build_engine(cfg: DictConfig, backbone=None) -> tuple[Engine, object]:
-    """Returns (engine, backbone). Pass `backbone` to reuse one already loaded (benchmarks)."""
+def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -> tuple[Engine, object]:
+    """Returns (engine, backbone). Pass `backbone` to reuse one already loaded (benchmarks).
+    with_constraint=False leaves the configured constraint out (the caller passes each request's)."""
     mnt, batch = positive_int(cfg, "max_new_tokens"), positive_int(cfg, "batch_size")
     check_paths(cfg)
-    check_constraint(constraint_node(cfg))
+    if with_constraint:
+        check_constraint(constraint_node(cfg))
     if backbone is None:
         backbone = component(cfg.model)
     engine = Engine(
@@ -97,7 +100,6 @@ def build_engine(cfg: DictConfig, backbone=None) -> tuple[Engine, object]:
         verifier=component(cfg.get("verifier"), backbone),
         seed=int(cfg.seed),
         batch_size=batch,
-        constraint=component(constraint_node(cfg), backbone),
+        constraint=component(constraint_node(cfg), backbone) if with_constraint else None,
     )
-    engine.constraint_node = constraint_node(cfg)  # what the configured grammar was built from
     return engine, backbone

@@ -199,9 +199,10 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
     todo = [k for k, r in enumerate(reqs) if r.id not in done]
     signals, fresh = _Signals(), {}
     with signals.installed():  # from here on, SIGTERM is a clean stop like Ctrl-C
-        engine, backbone = build_engine(cfg, backbone)
+        engine, backbone = build_engine(cfg, backbone, with_constraint=False)  # each request's is passed
         tok, limit = backbone.tokenizer, backbone.model.args.max_seq_len
-        grammars = build_grammars(engine, backbone, constraint_nodes, todo)
+        grammar_cache: dict = {}
+        grammars = build_grammars(backbone, constraint_nodes, todo, grammar_cache)
         prompts = {k: encode(tok, with_constraint_text(reqs[k], grammars[k]), bool(cfg.chat), cfg.get("system_prompt"))
                    for k in todo}
         for k, ids in prompts.items():
@@ -254,7 +255,7 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
                        kv=engine.kv.stats(), **backbone.describe(), **({"speculation": policy} if policy else {}))
         if cfg.get("verify_lossless") and not interrupted:
             try:
-                summary.update(verify_lossless(engine, backbone, cfg, reqs, items))
+                summary.update(verify_lossless(engine, backbone, cfg, reqs, items, constraint_nodes, grammar_cache))
             except KeyboardInterrupt:  # the decoding itself is complete: keep it, without a verdict
                 interrupted = summary["interrupted"] = True
         results = {"decode": name, "config": OmegaConf.to_container(cfg, resolve=True),
@@ -276,35 +277,27 @@ def request_constraints(cfg: DictConfig, reqs) -> dict[int, DictConfig | None]:
         node = constraint_node(cfg, r.constraint)
         key = None if node is None else OmegaConf.to_yaml(node)
         if key is not None and key not in checked:
-            check_constraint(node, f"request {r.id}" if r.constraint else "constraint")
+            where = f"request {r.id}" if r.constraint else "constraint"
+            for w in check_constraint(node, where):
+                print(f"{where}: the constraint is approximated: {w}", file=sys.stderr)
             checked.add(key)
         out[k] = node
     return out
 
 
-def build_grammars(engine: Engine, backbone, nodes: dict, todo: list[int]) -> dict:
-    """Compiled grammars per request (the engine's own for the configured constraint; one object per
-    distinct request constraint)."""
+def build_grammars(backbone, nodes: dict, todo: list[int], made: dict | None = None) -> dict:
+    """Compiled grammars per request: one object per distinct constraint node (`made` caches them
+    by node across calls)."""
     from pipeline.build import component
-    configured = constraint_node_key(engine)
-    made, out = {}, {}
+    made = {} if made is None else made
+    out = {}
     for k in todo:
         node = nodes[k]
         key = None if node is None else OmegaConf.to_yaml(node)
-        if key is None:
-            out[k] = None
-        elif key == configured[0]:
-            out[k] = configured[1]
-        else:
-            if key not in made:
-                made[key] = component(node, backbone)
-            out[k] = made[key]
+        if key is not None and key not in made:
+            made[key] = component(node, backbone)
+        out[k] = None if key is None else made[key]
     return out
-
-
-def constraint_node_key(engine: Engine) -> tuple[str | None, object]:
-    node = getattr(engine, "constraint_node", None)
-    return (None if node is None else OmegaConf.to_yaml(node)), engine.constraint
 
 
 def with_constraint_text(r, grammar):
@@ -336,14 +329,14 @@ def speculation_policy(engine: Engine, name: str) -> dict | None:
     return out
 
 
-def verify_lossless(engine: Engine, backbone, cfg, reqs, items) -> dict:
+def verify_lossless(engine: Engine, backbone, cfg, reqs, items, nodes: dict, cache: dict) -> dict:
     """Re-run every request with plain decoding (same sampler, no proposer) and report the first
     divergence, if any, on the terminal and in the items."""
     plain = Engine(engine.model, engine.kv, engine.sampler, list(engine.eos_ids), engine.max_new_tokens,
                    seed=engine.seed, batch_size=engine.batch_size, constraint=engine.constraint)
     index = {r.id: k for k, r in enumerate(reqs)}
     ks = [index[it["id"]] for it in items]
-    grammars = build_grammars(engine, backbone, request_constraints(cfg, reqs), ks)
+    grammars = build_grammars(backbone, nodes, ks, cache)
     prompts = [encode(backbone.tokenizer, with_constraint_text(reqs[k], grammars[k]), bool(cfg.chat),
                       cfg.get("system_prompt")) for k in ks]
     ref, _ = run_requests(plain, prompts, [int(cfg.seed) + k for k in ks], grammars=[grammars[k] for k in ks])

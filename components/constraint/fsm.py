@@ -52,8 +52,8 @@ class FSM(Grammar):
         self.complete = [s in self.accept and not self.next[i] for i, s in enumerate(states)]
 
     @staticmethod
-    def check(transitions=None, start=0, accept=None, **_) -> None:
-        """The machine's shape, before anything loads."""
+    def check(transitions=None, start=0, accept=None, **_) -> list[str]:
+        """The machine's shape, before anything loads (no warnings to return)."""
         if not isinstance(transitions, dict) or not transitions:
             raise UserError("constraint=fsm needs transitions: constraint.transitions={state: {token: next_state}}")
         for src, out in transitions.items():
@@ -64,6 +64,7 @@ class FSM(Grammar):
         if start not in transitions and start not in accept:
             raise UserError(f"constraint.start {start!r} has no transitions and does not accept: nothing could be "
                             "generated; add its transitions")
+        return []
 
     def _token(self, label, src) -> int:
         if isinstance(label, int) and not isinstance(label, bool):

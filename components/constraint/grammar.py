@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import torch
 
 from pipeline.core import Constraint, Grammar, UserError
-from pipeline.core.constrain import allows, pack, words
+from pipeline.core.constrain import allows, pack, unpack, words
 
 VERSION = "0.2.9"
 
@@ -38,6 +39,27 @@ def engine_message(e: Exception) -> str:
     """XGrammar's error without its C++ location prefix ("[12:00:00] /project/cpp/x.cc:94: ")."""
     text = " ".join(str(e).split())
     return re.sub(r"^\[[\d:]+\]\s*\S+:\d+:\s*", "", text)
+
+
+def quiet(fn):
+    """Run fn with the C++ side's stderr (XGrammar logs its warnings there) captured: returns
+    (result, [warning, ...]) with each warning stripped of its location prefix."""
+    import os
+    import tempfile
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            result = fn()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        text = tmp.read().decode(errors="replace")
+    warnings = list(dict.fromkeys(re.sub(r"^Warning:\s*", "", engine_message(line))
+                                  for line in text.splitlines() if line.strip()))
+    return result, warnings
 
 
 _COMPILERS: dict = {}
@@ -70,7 +92,7 @@ class XGrammarConstraint(Grammar):
         self.eos_ids = list(backbone.eos_ids)
         self.vocab_size = backbone.model.args.vocab_size
         try:
-            self.compiled = self._compile(compiler)
+            self.compiled, self.approximations = quiet(lambda: self._compile(compiler))
         except (RuntimeError, ValueError) as e:
             raise UserError(f"invalid {self.kind}: {engine_message(e)}") from None
 
@@ -132,6 +154,130 @@ class Matcher(Constraint):
         return f"{self.g.kind} state after {len(self.history)} tokens, text so far {text[-200:]!r}"
 
 
+_REF_SIBLINGS_OK = {"$ref", "$schema", "$id", "id", "definitions", "$defs", "title", "description", "$comment",
+                    "default", "examples"}
+_JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict,
+               "array": list, "null": type(None)}
+
+
+def lint(schema, strict_mode: bool) -> list[str]:
+    """Deviations XGrammar makes without a warning, found on JSONSchemaBench: keywords next to a
+    `$ref` are dropped; a `required` property the object's `properties` do not define cannot be
+    written under strict_mode (it forbids other properties), so the requirement is dropped; an
+    `enum` whose values do not have the `type` beside it is generated from the enum alone; an
+    anyOf/oneOf/allOf next to `properties` is not merged with them (other properties get through)."""
+    out: list[str] = []
+
+    def walk(node, where: str) -> None:
+        if isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{where}/{i}")
+            return
+        if not isinstance(node, dict):
+            return
+        if "$ref" in node and set(node) - _REF_SIBLINGS_OK:
+            out.append(f"{where or '/'}: keywords next to $ref are ignored ({', '.join(sorted(set(node) - _REF_SIBLINGS_OK))})")
+        props = node.get("properties")
+        if strict_mode and isinstance(node.get("required"), list) and node.get("additionalProperties") is not True:
+            missing = [r for r in node["required"] if not isinstance(props, dict) or r not in props]
+            if missing and (isinstance(props, dict) or node.get("type") == "object"):
+                out.append(f"{where or '/'}: required {missing} not among its properties, which strict_mode forbids "
+                           "(constraint.strict_mode=false allows other properties)")
+        mixed = [k for k in ("anyOf", "oneOf", "allOf") if k in node]
+        if mixed and any(k in node for k in ("properties", "additionalProperties", "items")):
+            out.append(f"{where or '/'}: {mixed[0]} next to properties/items is not merged with them")
+        types = node.get("type")
+        if isinstance(node.get("enum"), list) and isinstance(types, (str, list)):
+            kinds = tuple(_JSON_TYPES[t] for t in ([types] if isinstance(types, str) else types) if t in _JSON_TYPES)
+            bad = [v for v in node["enum"] if kinds and not (isinstance(v, kinds) and
+                                                             not (isinstance(v, bool) and bool not in kinds))]
+            if bad:
+                out.append(f"{where or '/'}: enum values {bad[:3]} do not have type {types}")
+        for k, v in node.items():
+            if k not in ("enum", "const", "default", "examples"):
+                walk(v, f"{where}/{k}")
+
+    walk(schema, "")
+    return out
+
+
+_SCANS: dict = {}
+
+
+def _json_scan(backbone) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each token does to JSON's open structure, from either mode (outside / inside a string):
+    delta[m, t], the change in open brackets; ends[m, t], whether it ends inside a string. EOS:
+    delta -1000, so it ranks first where it is allowed (the output is complete). Escapes within one
+    token are followed; one left open at a token's end is not (the ranking is a heuristic: validity
+    comes from the grammar)."""
+    tok, vocab = backbone.tokenizer, backbone.model.args.vocab_size
+    key = (id(tok), vocab)
+    if key not in _SCANS:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+        byte = {v: k for k, v in bytes_to_unicode().items()}
+        delta = torch.zeros(2, vocab, dtype=torch.long)
+        ends = torch.zeros(2, vocab, dtype=torch.long)
+        pieces = tok.convert_ids_to_tokens(list(range(min(vocab, len(tok)))))
+        for t, piece in enumerate(pieces):
+            text = "".join(chr(byte[ch]) if ch in byte else ch for ch in piece or "")
+            for mode in (0, 1):
+                inside, esc, d = bool(mode), False, 0
+                for ch in text:
+                    if inside:
+                        if esc:
+                            esc = False
+                        elif ch == "\\":
+                            esc = True
+                        elif ch == '"':
+                            inside = False
+                    elif ch == '"':
+                        inside = True
+                    elif ch in "[{":
+                        d += 1
+                    elif ch in "]}":
+                        d -= 1
+                delta[mode, t], ends[mode, t] = d, int(inside)
+        delta[:, list(backbone.eos_ids)] = -1000
+        _SCANS[key] = (delta, ends)
+    return _SCANS[key]
+
+
+class JSONMatcher(Matcher):
+    """A JSON-schema matcher that also follows the open structure (brackets, string) of its text, so
+    that `close` can rank the allowed tokens by what is left to close after them."""
+
+    def __init__(self, matcher, grammar, history=None, scan=None):
+        super().__init__(matcher, grammar, history)
+        self.open = list(scan or [(0, 0)])  # (open brackets, inside a string) after each token
+
+    def advance(self, token: int) -> bool:
+        if not super().advance(token):
+            return False
+        d, inside = self.open[-1]
+        delta, ends = self.g.scan
+        self.open.append((d + int(delta[inside, token]), int(ends[inside, token])))
+        return True
+
+    def rollback(self, n: int) -> None:
+        super().rollback(n)
+        if n:
+            del self.open[-n:]
+
+    def fork(self) -> "JSONMatcher":
+        out = JSONMatcher(self.m.fork(), self.g, self.history, self.open)
+        out._bits = self._bits
+        return out
+
+    def close(self, bits: torch.Tensor) -> None:
+        """Keep the allowed tokens after which the least is left open (brackets + an open string)."""
+        d, inside = self.open[-1]
+        delta, ends = self.g.scan
+        cost = delta[inside] + ends[inside]  # (V,): what is left open after each token, minus d
+        allowed = unpack(bits[None], self.g.vocab_size)[0]
+        cost = cost.masked_fill(~allowed, 1 << 30)
+        bits.copy_(pack((allowed & (cost == cost.min()))[None])[0])
+
+
 def _read(value, what: str, suffixes: tuple[str, ...]) -> str:
     """An inline value or the path of a file holding it."""
     if isinstance(value, str) and (value.endswith(suffixes) or "\n" not in value and len(value) < 4096):
@@ -170,30 +316,50 @@ def schema_text(schema) -> str:
 class JSONSchema(XGrammarConstraint):
     """JSON that validates against a JSON schema. Compact by default (`any_whitespace: false`:
     XGrammar's separators, no free whitespace, where a small model otherwise can loop on newlines);
-    `strict_mode` forbids properties and items the schema does not name."""
+    `strict_mode` forbids properties and items the schema does not name. `close_margin`: in the last
+    that many tokens of max_new_tokens, where a token that closes a string, array or object (or EOS)
+    is allowed, only those are (the engine's closing margin): an output that would loop past the
+    budget ends as JSON instead of being cut off. 0 turns it off (the masked distribution throughout)."""
     kind = "json_schema"
 
     def __init__(self, backbone, schema=None, any_whitespace: bool = False, indent: int | None = None,
-                 strict_mode: bool = True, add_to_prompt: bool = False):
+                 strict_mode: bool = True, add_to_prompt: bool = False, close_margin: int = 0,
+                 approximate: bool = True):
         self.schema = schema_text(schema)
         self.options = dict(any_whitespace=bool(any_whitespace), indent=indent, strict_mode=bool(strict_mode))
+        if not isinstance(close_margin, int) or isinstance(close_margin, bool) or close_margin < 0:
+            raise UserError(f"constraint.close_margin must be an int >= 0, got {close_margin!r}")
+        self.close_margin = close_margin
         super().__init__(backbone, add_to_prompt)
+        self.scan = _json_scan(backbone) if close_margin else None
+
+    def start(self) -> Constraint:
+        m = _xgr().GrammarMatcher(self.compiled, override_stop_tokens=self.eos_ids)
+        return JSONMatcher(m, self) if self.scan is not None else Matcher(m, self)
 
     @classmethod
     def check(cls, schema=None, any_whitespace: bool = False, indent: int | None = None, strict_mode: bool = True,
-              **_) -> None:
+              approximate: bool = True, **_) -> list[str]:
+        """Raises UserError for a schema XGrammar refuses; returns what it only approximates (its own
+        warnings, e.g. oneOf as anyOf, minLength next to a pattern, and the deviations `lint` finds).
+        approximate=False refuses those schemas too, with the first reason."""
         xgr = _xgr()
+        text = schema_text(schema)
         try:
-            xgr.Grammar.from_json_schema(schema_text(schema), any_whitespace=bool(any_whitespace), indent=indent,
-                                         strict_mode=bool(strict_mode))
+            warnings = quiet(lambda: xgr.Grammar.from_json_schema(text, any_whitespace=bool(any_whitespace),
+                                                                  indent=indent, strict_mode=bool(strict_mode)))[1]
         except (RuntimeError, ValueError, TypeError) as e:
             raise UserError(f"invalid json_schema: {engine_message(e)}") from None
+        warnings += lint(json.loads(text), bool(strict_mode))
+        if warnings and not approximate:
+            raise UserError(f"json_schema is only approximated: {warnings[0]} (constraint.approximate=true accepts it)")
+        return warnings
 
     def _compile(self, compiler):
         return compiler.compile_json_schema(self.schema, **self.options)
 
     def text(self) -> str:
-        return f"Reply with JSON only, following this JSON schema:\n{self.schema}"
+        return f"Reply with JSON only, following this JSON schema:\n{json.dumps(json.loads(self.schema))}"
 
 
 class Regex(XGrammarConstraint):
@@ -211,10 +377,10 @@ class Regex(XGrammarConstraint):
         return pattern
 
     @classmethod
-    def check(cls, pattern=None, **_) -> None:
+    def check(cls, pattern=None, **_) -> list[str]:
         xgr = _xgr()
         try:
-            xgr.Grammar.from_regex(cls._pattern(pattern))
+            return quiet(lambda: xgr.Grammar.from_regex(cls._pattern(pattern)))[1]
         except (RuntimeError, ValueError) as e:
             raise UserError(f"invalid regex {pattern!r}: {engine_message(e)}") from None
 
@@ -242,10 +408,11 @@ class EBNF(XGrammarConstraint):
         return _read(grammar, "grammar", (".ebnf", ".gbnf"))
 
     @classmethod
-    def check(cls, grammar=None, root: str = "root", **_) -> None:
+    def check(cls, grammar=None, root: str = "root", **_) -> list[str]:
         xgr = _xgr()
+        text = cls._grammar(grammar)
         try:
-            xgr.Grammar.from_ebnf(cls._grammar(grammar), root_rule_name=root)
+            return quiet(lambda: xgr.Grammar.from_ebnf(text, root_rule_name=root))[1]
         except (RuntimeError, ValueError) as e:
             raise UserError(f"invalid grammar: {engine_message(e)}") from None
 

@@ -35,6 +35,10 @@ def unpack(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def pack(allowed: torch.Tensor) -> torch.Tensor:
     """(..., V) bool -> (..., W) int32."""
     v = allowed.shape[-1]
+    if sys.byteorder == "little" and allowed.device.type == "cpu":
+        padded = np.zeros((*allowed.shape[:-1], words(v) * 32), dtype=bool)
+        padded[..., :v] = allowed.numpy()
+        return torch.from_numpy(np.packbits(padded, axis=-1, bitorder="little")).view(torch.int32)
     padded = torch.zeros(*allowed.shape[:-1], words(v) * 32, dtype=torch.int64)
     padded[..., :v] = allowed
     packed = (padded.view(*allowed.shape[:-1], -1, 32) << _SHIFTS.long()).sum(-1)
@@ -50,20 +54,27 @@ def tokens_of(bits: torch.Tensor, vocab_size: int) -> list[int]:
     return unpack(bits, vocab_size).nonzero().flatten().tolist()
 
 
-def walk_tree(constraint: Constraint, tree: Tree, eos_ids: set[int], vocab_size: int) -> tuple[Tree, torch.Tensor, int]:
+def walk_tree(constraint: Constraint, tree: Tree, eos_ids: set[int], vocab_size: int,
+              narrow=None) -> tuple[Tree, torch.Tensor, int]:
     """Prune `tree` to the drafts the constraint allows and return (tree, bits (N', W), pruned).
 
     Depth first from the root (the constraint's current state): each node's row of bits is the
     allowed set after the path to it; a child whose token that set excludes, or whose state allows
     nothing (a dead end), is dropped with its subtree (it could never be accepted: the target row of
     its parent is masked with the same set). An EOS draft is kept as a leaf; its row is never read
-    (the request ends on it) and allows everything. The constraint ends where it started. For a
+    (the request ends on it) and allows everything. narrow(bits_row, depth, constraint), when given,
+    may shrink a node's set in place (the engine's closing margin). The constraint ends where it started. For a
     tree with sampled drafts, each kept node's q row is masked with the node's set and renormalised:
     children drawn from q and kept because they are allowed are draws from that masked q."""
     n = tree.size
     bits = torch.zeros(n, words(vocab_size), dtype=torch.int32)
-    tokens, children = tree.tokens.tolist(), tree.children()
+    tokens, children, depth = tree.tokens.tolist(), tree.children(), tree.depth.tolist()
     kept = [0]
+
+    def fill(node: int) -> None:
+        constraint.fill(bits[node])
+        if narrow is not None:
+            narrow(bits[node], depth[node], constraint)
 
     def visit(node: int) -> None:
         for c in children[node]:
@@ -76,13 +87,13 @@ def walk_tree(constraint: Constraint, tree: Tree, eos_ids: set[int], vocab_size:
                 continue
             if not constraint.advance(tok):
                 continue
-            constraint.fill(bits[c])
+            fill(c)
             if bool(bits[c].any()):
                 kept.append(c)
                 visit(c)
             constraint.rollback(1)
 
-    constraint.fill(bits[0])
+    fill(0)
     visit(0)
     kept.sort()
     pruned = n - len(kept)

@@ -215,7 +215,8 @@ class Engine:
                 tree = tree.prune(budget - 1, min(budget, model.args.max_seq_len - kv.used(s.seq)))
                 if s.constraint is not None and tree.size > 1:  # drafts that leave the language go now
                     t0 = time.perf_counter()
-                    tree, bits, pruned = walk_tree(s.constraint, tree, self.eos_ids, model.args.vocab_size)
+                    tree, bits, pruned = walk_tree(s.constraint, tree, self.eos_ids, model.args.vocab_size,
+                                                   self._narrower(s))
                     s.gen.pruned_drafts += pruned
                     s.mask_s += time.perf_counter() - t0
             trees.append(tree)
@@ -267,11 +268,29 @@ class Engine:
                 bits[o:o + n] = nb
             elif s.constraint is not None:
                 s.constraint.fill(bits[o])
+                narrow = self._narrower(s)
+                if narrow is not None:
+                    narrow(bits[o], 0, s.constraint)
             o += n
         share = (time.perf_counter() - t0) / sum(s.constraint is not None for s in seqs)
         for s in seqs:
             s.mask_s += share if s.constraint is not None else 0.0
         return bits
+
+    def _narrower(self, s: _Live):
+        """The closing margin: in the last `close_margin` tokens of max_new_tokens, a row's allowed set
+        shrinks to the tokens that bring the output closest to a complete one (`Constraint.close`:
+        for JSON, those that close strings, arrays and objects, and EOS), so an output that would run
+        past the budget still ends in its language. None when the request's grammar has no margin."""
+        margin = getattr(self._grammars[s.index], "close_margin", None)
+        if not margin:
+            return None
+        start = self.max_new_tokens - margin - len(s.gen.token_ids)  # depth from which the margin applies
+
+        def narrow(bits: torch.Tensor, depth: int, constraint) -> None:
+            if depth >= start:
+                constraint.close(bits)
+        return narrow
 
     def _share_apply(self, seqs: list[_Live], allowed) -> None:
         """The target stage's masking time, shared by the step's constrained sequences."""

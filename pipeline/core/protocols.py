@@ -122,6 +122,12 @@ class Constraint(ABC):
         """The state and the text so far, for the empty-allowed-set error."""
         return "the current state"
 
+    def close(self, bits: torch.Tensor) -> None:
+        """Shrink the allowed set bits (W,) of the current state, in place, to the tokens that bring
+        the output closest to a complete sentence (used in the last tokens of the budget, the
+        closing margin). The default leaves the set as it is: a language without a notion of
+        closing has no margin."""
+
 
 class Grammar(ABC):
     """A compiled constraint (the `constraint` config group): makes one `Constraint` state per
