@@ -127,9 +127,6 @@ def bench(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[dict, di
     entries = parse_entries(cfg.decodes)
     reqs = load_requests(None if cfg.get("prompt") is not None else str(cfg.get("input") or DEFAULT_INPUT),
                          cfg.get("prompt"))
-    if any(r.constraint for r in reqs):
-        raise UserError("the bench does not apply per-request constraints (json_schema/regex/grammar): "
-                        "remove them from the input lines")
     if any(e.name == "llama_cpp" for e in entries) and not llama_cpp_peer.available():
         print(f"bench: skipping llama_cpp: not installed ({llama_cpp_peer.INSTALL_HINT})", file=sys.stderr)
         entries = [e for e in entries if e.name != "llama_cpp"]
@@ -183,6 +180,8 @@ def build_pipelines(entries: list[Entry], common: list[str], reqs) -> tuple[list
                             batch_size=positive_int(pcfg, "batch_size"), **knobs)
         else:
             runner, _ = build_engine(pcfg, bb)
+            if pcfg.get("request_constraints", True) and any(r.constraint for r in reqs):
+                runner = Constrained(runner, pcfg, bb, reqs)
         tkey = (key, bool(pcfg.chat), pcfg.get("system_prompt"))
         if tkey not in encoded:
             encoded[tkey] = [encode(bb.tokenizer, r, bool(pcfg.chat), pcfg.get("system_prompt")) for r in reqs]
@@ -194,6 +193,24 @@ def build_pipelines(entries: list[Entry], common: list[str], reqs) -> tuple[list
         seeds = [int(pcfg.seed) + k for k in range(len(reqs))]
         pipes.append(Pipeline(e, runner, bb, encoded[tkey], seeds, positive_int(pcfg, "batch_size")))
     return pipes, list(backbones.values())
+
+
+class Constrained:
+    """An engine that applies each request line's own constraint (json_schema / regex / grammar), the
+    configured one to the others: `run(prompts, seeds)` over the first len(prompts) requests."""
+
+    def __init__(self, engine, cfg: DictConfig, backbone, reqs):
+        from pipeline.decode import build_grammars, request_constraints
+        self.engine = engine
+        nodes = request_constraints(cfg, reqs)
+        grammars = build_grammars(backbone, nodes, list(range(len(reqs))))
+        self.grammars = [grammars[k] for k in range(len(reqs))]
+
+    def run(self, prompts, seeds=None, **kw):
+        return self.engine.run(prompts, seeds, grammars=self.grammars[:len(prompts)], **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
 
 
 def pipeline_report(p: Pipeline, base: Pipeline, reqs) -> dict:
@@ -219,7 +236,10 @@ def pipeline_report(p: Pipeline, base: Pipeline, reqs) -> dict:
                  if isinstance(p.runner, llama_cpp_peer.LlamaCppPeer) else {}),
               "mean_step_ms": rnd(statistics.mean(steps_ms) if steps_ms else None),
               "tree_step_ms": rnd(s["tree_step_ms"]), "plain_step_ms": rnd(s["plain_step_ms"]),
-              "acceptance_by_depth": {d: round(v, 3) for d, v in s["acceptance_by_depth"].items()}}
+              "acceptance_by_depth": {d: round(v, 3) for d, v in s["acceptance_by_depth"].items()},
+              "constrained": isinstance(p.runner, Constrained) or getattr(p.runner, "constraint", None) is not None}
+    if "constrained_requests" in s:  # constraint cost per committed token, drafts pruned, complete outputs
+        report.update({k: rnd(s[k]) for k in ("mask_us_per_token", "pruned_drafts", "constraint_complete")})
     policy = getattr(getattr(p.runner, "proposer", None) or getattr(p.runner, "idle_proposer", None), "policy", None)
     if policy:  # the proposer's tree size for this machine (0 = plain decoding)
         report["speculation"] = {k: policy[k] for k in ("nodes", "expected_speedup", "expected_accept_length")}
@@ -230,13 +250,20 @@ def pipeline_report(p: Pipeline, base: Pipeline, reqs) -> dict:
 
 
 def markdown_table(result: dict) -> str:
-    rows = ["| pipeline | batch | tokens/s | speedup | mean accepted length | identical |",
-            "|---|---:|---:|---:|---:|:---:|"]
+    cons = any(p.get("constrained") for p in result["pipelines"].values())
+    rows = ["| pipeline | batch | tokens/s | speedup | mean accepted length | identical |" + (
+            " constrained | constraint us/token | pruned drafts |" if cons else ""),
+            "|---|---:|---:|---:|---:|:---:|" + ("---|---:|---:|" if cons else "")]
     for label, p in result["pipelines"].items():
         mal = "-" if p["mean_accepted_length"] is None else f"{p['mean_accepted_length']:.2f}"
         speed = "-" if p["speedup"] is None else f"{p['speedup']:.2f}"
+        extra = ""
+        if cons:
+            us = p.get("mask_us_per_token")
+            extra = (f" {'yes' if p.get('constrained') else 'no'} | {'-' if us is None else f'{us:.1f}'} | "
+                     f"{p.get('pruned_drafts', '-')} |")
         rows.append(f"| {label} | {p.get('batch_size', '-')} | {p['tokens_per_s']:.1f} | {speed} | {mal} | "
-                    f"{'yes' if p['identical_to_baseline'] else 'no'} |")
+                    f"{'yes' if p['identical_to_baseline'] else 'no'} |" + extra)
     return "\n".join(rows)
 
 

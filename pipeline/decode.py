@@ -178,7 +178,8 @@ class _Signals:
 def request_key(cfg: DictConfig, r) -> str:
     """What decides a request's tokens: its text, its constraint and the pipeline (model, sampler,
     proposer, verifier, constraint, limits, seed, chat). Resuming refuses items made from another."""
-    parts = {"prompt": r.prompt, "messages": r.messages, "request_constraint": r.constraint,
+    parts = {"prompt": r.prompt, "messages": r.messages,
+             "request_constraint": r.constraint if cfg.get("request_constraints", True) else None,
              **{k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg.get(k), DictConfig) else cfg.get(k)
                 for k in ("model", "sampler", "proposer", "verifier", "max_new_tokens", "seed", "chat", "system_prompt",
                           "constraint")}}
@@ -273,8 +274,9 @@ def request_constraints(cfg: DictConfig, reqs) -> dict[int, DictConfig | None]:
     """Each request's constraint node (its own, else the configured one), every distinct one checked
     now, before the model loads: an invalid regex, schema or grammar costs nothing."""
     out, checked = {}, set()
+    use_own = cfg.get("request_constraints", True)
     for k, r in enumerate(reqs):
-        node = constraint_node(cfg, r.constraint)
+        node = constraint_node(cfg, r.constraint if use_own else None)
         key = None if node is None else OmegaConf.to_yaml(node)
         if key is not None and key not in checked:
             where = f"request {r.id}" if r.constraint else "constraint"
