@@ -407,3 +407,26 @@ def test_multibyte_literals_through_regex_and_grammar_on_the_real_model(real_bac
             assert re.fullmatch(pattern, text), text
         else:
             assert re.match(pattern.split(" ")[0], text), text
+
+
+@pytest.mark.slow
+def test_jsonschemabench_sample_outputs_all_validate(tmp_path, real_backbone):
+    """JSONSchemaBench (../shared/jsonschemabench), the first two schemas of every category, through
+    scripts/jsonschemabench.py in float32: every schema compiles or is refused with a one-line reason,
+    and every output generated under one that compiled ends complete, parses and validates."""
+    data = Path(__file__).resolve().parent.parent.parent / "shared" / "jsonschemabench"
+    if not data.is_dir():
+        pytest.skip(f"no JSONSchemaBench sample at {data}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import jsonschemabench
+    result = jsonschemabench.run(data, tmp_path, per_category=2, max_new_tokens=384, batch_size=6,
+                                 overrides=["model.dtype=float32"], backbone=real_backbone)
+    rows = result["rows"]
+    assert len(rows) == 18
+    for r in rows:
+        assert r["compiled"] or (r["refused"] and "\n" not in r["refused"])
+    generated = [r for r in rows if r.get("generated")]
+    assert len(generated) >= 12
+    bad = [(r["category"], r["schema"], r["finish_reason"], r["error"]) for r in generated if not r["valid"]]
+    assert not bad
+    assert (tmp_path / "coverage.md").read_text().startswith("| category |")

@@ -142,12 +142,13 @@ class Matcher(Constraint):
         return out
 
     def is_complete(self) -> bool:
+        if not self.m.is_completed():  # EOS is not allowed yet: no mask needed (it is filled later,
+            return False  # on the engine's worker thread, while the forward runs)
         bits = self._current()
         return not bool((bits & ~self.g.eos_bits).any())
 
     def can_end(self) -> bool:
-        bits = self._current()
-        return any(allows(bits, e) for e in self.g.eos_ids)
+        return bool(self.m.is_completed())
 
     def describe(self) -> str:
         text = self.g.tokenizer.decode(self.history)

@@ -81,6 +81,7 @@ class Engine:
         self.proposer, self.verifier = proposer, verifier
         self.seed, self.batch_size = seed, batch_size
         self.constraint = constraint  # the Grammar every request follows unless it brings its own
+        self._pool = None  # a worker thread for constraint masks, made on first use
         self.target = TargetStage(sampler.processors, greedy=sampler.greedy)
 
     # --- public ------------------------------------------------------------------------------------
@@ -159,9 +160,10 @@ class Engine:
             live.append(joined[-1])
         step = StepBatch.build([s.seq for s in joined], [torch.tensor(s.tokens) for s in joined],
                                [None] * len(joined), [None] * len(joined), [0] * len(joined), self.model.attn_dtype)
+        masks = self._masks(joined, [None] * len(joined), [1] * len(joined))
         h = self.model.step(step, self.kv)  # (R, dim): every prompt position of every joining request
         last = [o - 1 for o in step.offsets[1:]]
-        allowed = self._masks(joined, [None] * len(joined), [1] * len(joined))
+        allowed = masks()
         p = self.target(self.model.logits(h[last]), input_ids=lambda: [s.tokens for s in joined], allowed=allowed,
                         describe=self._describe(joined, [1] * len(joined)))
         self._share_apply(joined, allowed)
@@ -225,9 +227,10 @@ class Engine:
                                [None if tr.size == 1 else tr.depth for tr in trees],
                                [None if tr.size == 1 else tr.mask for tr in trees],
                                [kv.used(s.seq) for s in live], model.attn_dtype)
-        h = model.step(step, kv)  # (R, dim)
         sizes = [tr.size for tr in trees]
-        allowed = self._masks(live, node_bits, sizes)
+        masks = self._masks(live, node_bits, sizes)
+        h = model.step(step, kv)  # (R, dim)
+        allowed = masks()
         p = self.target(model.logits(h), input_ids=lambda: _contexts(live, trees), allowed=allowed,
                         describe=self._describe(live, sizes))
         self._share_apply(live, allowed)
@@ -254,28 +257,46 @@ class Engine:
             self._note_mask(s)
 
     # --- constraints -------------------------------------------------------------------------------
-    def _masks(self, seqs: list[_Live], node_bits: list, sizes: list[int]) -> torch.Tensor | None:
-        """(R, W) packed allowed sets of a step's rows (None when no sequence is constrained): a tree's
-        rows from its walk, a root's from its state, an unconstrained sequence's rows all set."""
+    def _masks(self, seqs: list[_Live], node_bits: list, sizes: list[int]) -> Callable[[], torch.Tensor | None]:
+        """Start building the (R, W) packed allowed sets of a step's rows: a tree's rows from its
+        walk, a root's from its state, an unconstrained sequence's rows all set. The roots' sets are
+        computed on a worker thread while the target forward runs (the grammar's state moved with
+        the last commit; the forward does not need it); the returned callable waits for them and
+        returns the sets (None when no sequence is constrained). Only the wait counts in mask_ms."""
         if all(s.constraint is None for s in seqs):
-            return None
-        t0 = time.perf_counter()
+            return lambda: None
         vocab = self.model.args.vocab_size
         bits = torch.full((sum(sizes), words(vocab)), -1, dtype=torch.int32)
-        o = 0
+        roots, o = [], 0
         for s, nb, n in zip(seqs, node_bits, sizes):
             if nb is not None:
                 bits[o:o + n] = nb
             elif s.constraint is not None:
+                roots.append((s, o))
+            o += n
+
+        @torch.inference_mode()  # the worker thread's own mode: bits was made under the engine's
+        def fill_roots() -> None:
+            for s, o in roots:
                 s.constraint.fill(bits[o])
                 narrow = self._narrower(s)
                 if narrow is not None:
                     narrow(bits[o], 0, s.constraint)
-            o += n
-        share = (time.perf_counter() - t0) / sum(s.constraint is not None for s in seqs)
-        for s in seqs:
-            s.mask_s += share if s.constraint is not None else 0.0
-        return bits
+
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="constraint-masks")
+        job = self._pool.submit(fill_roots) if roots else None
+
+        def finish() -> torch.Tensor:
+            t0 = time.perf_counter()
+            if job is not None:
+                job.result()
+            share = (time.perf_counter() - t0) / max(1, len(roots))
+            for s, _ in roots:
+                s.mask_s += share
+            return bits
+        return finish
 
     def _narrower(self, s: _Live):
         """The closing margin: in the last `close_margin` tokens of max_new_tokens, a row's allowed set

@@ -118,9 +118,9 @@ class TargetStage:
         self.mask_s = 0.0
         if allowed is not None:
             t0 = time.perf_counter()
-            empty = ~(allowed != 0).any(-1)
-            if bool(empty.any()):
-                r = int(empty.nonzero()[0])
+            empty = ~allowed.numpy().any(-1) if allowed.device.type == "cpu" else ~(allowed != 0).any(-1).cpu().numpy()
+            if empty.any():
+                r = int(empty.nonzero()[0][0])
                 raise UserError(f"no token is allowed at {describe(r) if describe else f'row {r}'}: "
                                 "the constraint cannot be continued; check it against the prompt")
             out = Target(scores.float(), self.greedy, allowed)
