@@ -111,6 +111,14 @@ def instantiate_option(group, option, cfg, backbone, heads_ckpt, tmp_path):
         return component(cfg.trainer, logger=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
     if group == "logger":
         return component(cfg.logger, save_dir=str(tmp_path))
+    if group == "constraint":  # the options that need their language named get an example
+        example = {"regex": ("pattern", "[a-z]+"), "json_schema": ("schema", '{"type": "object"}'),
+                   "ebnf": ("grammar", 'root ::= "a" | "b"')}
+        if option in example:
+            cfg.constraint[example[option][0]] = example[option][1]
+        obj = component(cfg.constraint, backbone)
+        assert obj.start() is not None
+        return obj
     return component(cfg[group], backbone)
 
 
@@ -124,6 +132,9 @@ def test_every_option_composes_and_instantiates(group, option, tiny_backbone, ti
         overrides.append("model=tiny")
     cfg = compose_config(overrides, config_name=primary)
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    if (group, option) == ("constraint", "none"):  # no component: every token may come next
+        assert "_target_" not in cfg.constraint and build_engine(cfg, tiny_backbone)[0].constraint is None
+        return
     if group != "decode":
         assert group in cfg, f"{group}={option} composed, but the config has no `{group}` node"
         if cfg[group] is not None and "_target_" not in cfg[group]:
