@@ -10,7 +10,7 @@ from pathlib import Path
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.core import Engine, UserError
+from pipeline.core import BeamSearch, Engine, UserError
 
 
 def component(node: DictConfig | None, backbone=None, **kwargs):
@@ -90,6 +90,17 @@ def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -
         check_constraint(constraint_node(cfg))
     if backbone is None:
         backbone = component(cfg.model)
+    if cfg.get("num_beams") is not None:  # decode=beam: beam search on forked sequences
+        if cfg.get("proposer") is not None:
+            raise UserError("beam search does not take a proposer: drop proposer= (or use decode=greedy for speculation)")
+        engine = BeamSearch(
+            model=backbone.model, kv=component(cfg.kv, backbone), sampler=component(cfg.sampler, backbone),
+            eos_ids=backbone.eos_ids, max_new_tokens=mnt, num_beams=cfg.num_beams,
+            length_penalty=cfg.get("length_penalty", 1.0), early_stopping=cfg.get("early_stopping", False),
+            num_return_sequences=cfg.get("num_return_sequences", 1), num_beam_groups=cfg.get("num_beam_groups", 1),
+            diversity_penalty=cfg.get("diversity_penalty", 0.0), seed=int(cfg.seed), batch_size=batch,
+            constraint=component(constraint_node(cfg), backbone) if with_constraint else None)
+        return engine, backbone
     engine = Engine(
         model=backbone.model,
         kv=component(cfg.kv, backbone),

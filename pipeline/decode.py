@@ -182,7 +182,8 @@ def request_key(cfg: DictConfig, r) -> str:
              "request_constraint": r.constraint if cfg.get("request_constraints", True) else None,
              **{k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg.get(k), DictConfig) else cfg.get(k)
                 for k in ("model", "sampler", "proposer", "verifier", "max_new_tokens", "seed", "chat", "system_prompt",
-                          "constraint")}}
+                          "constraint", "num_beams", "length_penalty", "early_stopping", "num_return_sequences",
+                          "num_beam_groups", "diversity_penalty")}}
     return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -191,6 +192,9 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
     positive_int(cfg, "max_new_tokens")
     positive_int(cfg, "batch_size")
     check_paths(cfg)
+    if cfg.get("verify_lossless") and cfg.get("num_beams") is not None:
+        raise UserError("verify_lossless compares speculation with plain decoding; beam search has no plain "
+                        "counterpart: drop verify_lossless=true")
     constraint_nodes = request_constraints(cfg, reqs)  # an invalid regex/schema/grammar fails here too
     name = preset_name(cfg)
     out = run_dir(cfg)
@@ -227,6 +231,10 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
             r = reqs[todo[j]]
             item = {"id": r.id, "prompt": r.prompt, "text": tok.decode(g.token_ids, skip_special_tokens=True),
                     **gen_fields(g), "request_key": keys[r.id], "precision": backbone.precision}
+            if g.beams is not None:  # beam search: every returned hypothesis, best first
+                item["beams"] = [{"token_ids": ids, "text": tok.decode(ids, skip_special_tokens=True), "score": score}
+                                 for ids, score in g.beams]
+                item["kv_peak_bytes"], item["kv_copy_per_beam_bytes"] = g.kv_peak_bytes, g.kv_copy_per_beam_bytes
             with signals.saving_item():
                 append_jsonl(items_path, item)
                 fresh[r.id] = item

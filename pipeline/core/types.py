@@ -53,6 +53,9 @@ class Generation:
     constraint_complete: bool | None = None  # the output is a whole sentence of its language
     pruned_drafts: int = 0  # drafts dropped before the forward because they leave the language
     mask_ms: list[float] = field(default_factory=list)  # constraint time per step (masks, walk, advances)
+    beams: list | None = None  # beam search: [(token_ids, score)], best first
+    kv_peak_bytes: int = 0  # beam search: the KV pool's peak while the request ran
+    kv_copy_per_beam_bytes: int = 0  # ... and what a copy of the prefix per beam would have held
 
     @property
     def steps(self) -> int:

@@ -1,0 +1,318 @@
+"""Beam search on forked sequences, with the semantics of transformers' `generate(num_beams=...)` (5.x).
+
+Every live beam is a sequence of the KV pool. A step packs the newest token of every live beam of
+every request into one target forward; per request, the processed log-probabilities (log-softmax,
+then the logits processors, then the beam's constraint mask) plus each beam's running score rank
+all num_beams x V continuations, and the top K = max(2, 1 + #EOS) x num_beams go on:
+
+- the best num_beams that did not end (on EOS or at max_length) become the next running beams;
+- those among the top num_beams that ended become finished hypotheses, scored sum(log p) /
+  (generated length incl. EOS) ** length_penalty, merged with the finished ones so far (the best
+  num_beams are kept);
+- early_stopping: True stops once num_beams hypotheses are finished; False stops when the best
+  running score, normalised at the current length, cannot beat the worst finished one; "never"
+  normalises it at max_length when length_penalty > 0 (the canonical bound).
+
+Reordering beams is a set of forks and frees, never a copy of a prefix: a parent kept by one child
+hands it its sequence, one kept by several is forked (with `kv=paged`, forks share every full
+block: the prompt is stored once), a parent no child keeps is freed. Constraint states fork with
+their beams. The arithmetic (float32 tensors, torch.topk on the flattened candidates, the -1e9
+sentinels) mirrors transformers' so that hypotheses and scores come out the same.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from pipeline.core.constrain import unpack, words
+from pipeline.core.errors import UserError
+from pipeline.core.target import TargetStage
+from pipeline.core.types import Generation, StepBatch
+
+NEG = -1.0e9  # transformers' sentinel score
+EARLY_STOPPING = (True, False, "never")
+
+
+@dataclass
+class _Beam:
+    seq: int  # its sequence in the KV pool: every token but the newest is cached
+    tokens: list[int]  # generated tokens; the newest is the root of the next forward
+    constraint: object = None
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    max_length: int  # prompt + max_new_tokens (or the context end)
+    grammar: object
+    gen: Generation
+    t0: float
+    beams: list[_Beam] = field(default_factory=list)
+    running: torch.Tensor | None = None  # (num_beams,) float32 running scores
+    fin_scores: torch.Tensor | None = None  # (num_beams,) float32, NEG where empty
+    fin_tokens: list[list[int]] = field(default_factory=list)
+    fin_done: torch.Tensor | None = None  # (num_beams,) bool
+    unsatisfied: bool = True  # the early-stop heuristic still sees room for improvement
+    cur_len: int = 0
+    first: bool = True  # the next logits come from the prompt (one row for every beam)
+    done: bool = False
+    kv_peak: int = 0
+    kv_copy: int = 0
+
+
+class BeamSearch:
+    """Decodes requests `batch_size` at a time by beam search; the runner interface of `Engine`
+    (`run`, `generate`), with `Generation.beams` holding each request's hypotheses, best first."""
+
+    def __init__(self, model, kv, sampler, eos_ids: list[int], max_new_tokens: int, num_beams: int = 4,
+                 length_penalty: float = 1.0, early_stopping=False, num_return_sequences: int = 1,
+                 num_beam_groups: int = 1, diversity_penalty: float = 0.0, seed: int = 0, batch_size: int = 1,
+                 constraint=None):
+        for name, v in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("num_beams", num_beams),
+                        ("num_return_sequences", num_return_sequences), ("num_beam_groups", num_beam_groups)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise UserError(f"{name} must be a positive int, got {v!r}")
+        if num_return_sequences > num_beams:
+            raise UserError(f"num_return_sequences={num_return_sequences} exceeds num_beams={num_beams}: "
+                            "beam search returns at most num_beams hypotheses")
+        if early_stopping not in EARLY_STOPPING or (early_stopping == "never" and not isinstance(early_stopping, str)):
+            raise UserError(f"early_stopping must be true, false or \"never\", got {early_stopping!r}")
+        if not isinstance(length_penalty, (int, float)) or isinstance(length_penalty, bool):
+            raise UserError(f"length_penalty must be a number, got {length_penalty!r}")
+        if num_beams % num_beam_groups:
+            raise UserError(f"num_beams={num_beams} must be divisible by num_beam_groups={num_beam_groups}")
+        if num_beam_groups > 1:
+            raise UserError("diverse beam search (num_beam_groups > 1) is not available yet: use num_beam_groups=1")
+        if not sampler.greedy:
+            raise UserError("beam search ranks continuations by log-probability: temperature, top-k and top-p "
+                            "do not apply to it; use sampler=greedy (or decode=sample without beams)")
+        warpers = [type(p).__name__ for p in sampler.processors if type(p).__name__ in ("Temperature", "TopK", "TopP")]
+        if warpers:
+            raise UserError(f"{', '.join(warpers)} do not apply to beam search: drop sampler.temperature / top_k / top_p")
+        self.model, self.kv, self.sampler = model, kv, sampler
+        self.eos_ids, self.max_new_tokens = set(eos_ids), max_new_tokens
+        self.num_beams, self.length_penalty = num_beams, float(length_penalty)
+        self.early_stopping, self.num_return_sequences = early_stopping, num_return_sequences
+        self.num_beam_groups, self.diversity_penalty = num_beam_groups, float(diversity_penalty)
+        self.seed, self.batch_size, self.constraint = seed, batch_size, constraint
+        self.processors = TargetStage(sampler.processors)
+        self.proposer = self.idle_proposer = self.verifier = None
+
+    # --- public ------------------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[int], on_tokens=None, seed: int | None = None, grammar=None) -> Generation:
+        cb = None if on_tokens is None else (lambda i, ids, hidden: on_tokens(ids))
+        return self.run([prompt_ids], on_tokens=cb, grammars=None if grammar is None else [grammar])[0]
+
+    @torch.inference_mode()
+    def run(self, prompts: list[list[int]], seeds: list[int] | None = None,
+            on_tokens: Callable | None = None, on_finish: Callable | None = None,
+            grammars: list | None = None) -> list[Generation]:
+        """Decode every prompt; on_tokens(i, best hypothesis, None) once request i is done (beams are
+        not final before), then on_finish(i, generation). Every beam's memory goes back to the pool
+        on any exception."""
+        limit = self.model.args.max_seq_len
+        for i, p in enumerate(prompts):
+            if not p:
+                raise UserError(f"request {i} has an empty prompt: give it some text")
+            if len(p) >= limit:
+                raise UserError(f"request {i}: prompt is {len(p)} tokens, the model's context is {limit}: "
+                                "shorten it or raise model.max_seq_len")
+        grammars = [g or self.constraint for g in grammars] if grammars is not None else [self.constraint] * len(prompts)
+        queue, live = deque(range(len(prompts))), []
+        out: list[Generation | None] = [None] * len(prompts)
+        try:
+            while queue or live:
+                joining = []
+                while queue and len(live) + len(joining) < self.batch_size:
+                    i = queue.popleft()
+                    joining.append(_Request(i, list(prompts[i]), min(len(prompts[i]) + self.max_new_tokens, limit),
+                                            grammars[i], Generation(), time.perf_counter()))
+                if joining:
+                    self._prefill(joining, live)
+                if any(not r.done for r in live):
+                    self._step([r for r in live if not r.done])
+                for r in [r for r in live if r.done]:
+                    live.remove(r)
+                    self._release(r)
+                    out[r.index] = self._finish(r, on_tokens)
+                    if on_finish is not None:
+                        on_finish(r.index, out[r.index])
+        finally:
+            for r in live:
+                self._release(r)
+        return out
+
+    # --- steps -------------------------------------------------------------------------------------
+    def _prefill(self, joining: list[_Request], live: list[_Request]) -> None:
+        for r in joining:
+            seq = self.kv.create()
+            r.beams = [_Beam(seq, [], None if r.grammar is None else r.grammar.start())]
+            r.cur_len = len(r.prompt)
+            n = self.num_beams
+            r.running = torch.zeros(n)
+            r.running[1:] = NEG
+            r.fin_scores, r.fin_done = torch.full((n,), NEG), torch.zeros(n, dtype=torch.bool)
+            r.fin_tokens = [[] for _ in range(n)]
+            live.append(r)
+        step = StepBatch.build([r.beams[0].seq for r in joining], [torch.tensor(r.prompt) for r in joining],
+                               [None] * len(joining), [None] * len(joining), [0] * len(joining), self.model.attn_dtype)
+        h = self.model.step(step, self.kv)
+        last = [o - 1 for o in step.offsets[1:]]
+        logits = self.model.logits(h[last])
+        for b, r in enumerate(joining):
+            self.kv.commit(r.beams[0].seq)
+            r.gen.prefill_ms = (time.perf_counter() - r.t0) * 1e3
+            self._advance(r, logits[b:b + 1])
+
+    def _step(self, live: list[_Request]) -> None:
+        t = time.perf_counter()
+        beams = [(r, b) for r in live for b in r.beams]
+        rank = {seq: k for k, seq in enumerate(self.kv.batch_order([b.seq for _, b in beams]))}
+        beams.sort(key=lambda rb: rank[rb[1].seq])
+        step = StepBatch.build([b.seq for _, b in beams], [torch.tensor(b.tokens[-1:]) for _, b in beams],
+                               [None] * len(beams), [None] * len(beams), [self.kv.used(b.seq) for _, b in beams],
+                               self.model.attn_dtype)
+        h = self.model.step(step, self.kv)
+        logits = self.model.logits(h)
+        row = {id(b): k for k, (_, b) in enumerate(beams)}
+        for _, b in beams:
+            self.kv.commit(b.seq)
+        ms = (time.perf_counter() - t) * 1e3
+        for r in live:
+            r.gen.step_ms.append(ms)
+            self._advance(r, logits[[row[id(b)] for b in r.beams]])
+
+    def _advance(self, r: _Request, logits: torch.Tensor) -> None:
+        """One beam-search step of request r from its beams' logits (n, V): transformers' ranking,
+        then the new running beams take over the KV sequences (forks and frees)."""
+        n, vocab = self.num_beams, logits.shape[-1]
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        log_probs = self.processors(log_probs, input_ids=lambda: [r.prompt + b.tokens for b in r.beams]).scores
+        log_probs = self._mask(r, log_probs)
+        if r.first:  # every beam holds the prompt: the same row, scores [0, -1e9, ...]
+            log_probs = log_probs.expand(n, vocab)
+        groups = self.num_beam_groups
+        size = n // groups
+        parents, tokens, run_scores, top_scores_all, hits_all, cand_tokens = [], [], [], [], [], []
+        finished_candidates = []
+        for g in range(groups):
+            lp = log_probs[g * size:(g + 1) * size]
+            if groups > 1 and g > 0:  # Hamming diversity: tokens earlier groups chose at this step
+                counts = torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=vocab).to(lp.dtype)
+                lp = lp - self.diversity_penalty * counts
+            cand = (lp + r.running[g * size:(g + 1) * size, None]).reshape(-1)
+            k = max(2, 1 + len(self.eos_ids)) * size
+            top_scores, top_idx = torch.topk(cand, k)
+            beam_of = [0] * k if r.first else (top_idx // vocab + g * size).tolist()  # first: one prompt row
+            tok = (top_idx % vocab).tolist()
+            hits = torch.tensor([t in self.eos_ids or r.cur_len + 1 >= r.max_length for t in tok])
+            ranked = top_scores + hits.to(torch.float32) * NEG
+            nxt = torch.topk(ranked, size).indices.tolist()
+            parents += [beam_of[j] for j in nxt]
+            tokens += [tok[j] for j in nxt]
+            run_scores.append(ranked[nxt])
+            finished_candidates.append((top_scores, hits, beam_of, tok, size))
+            hits_all.append(hits)
+        # finished hypotheses: the top `size` candidates of each group that ended
+        for top_scores, hits, beam_of, tok, size_g in finished_candidates:
+            k = top_scores.shape[0]
+            just = hits & (torch.arange(k) < size_g)
+            fs = top_scores / ((r.cur_len + 1 - len(r.prompt)) ** self.length_penalty)
+            full = bool(r.fin_done.all()) and self.early_stopping is True
+            fs = fs + float(full) * NEG
+            fs = fs + float(not r.unsatisfied) * NEG
+            fs = fs + (~just).to(torch.float32) * NEG
+            merged = torch.cat((r.fin_scores, fs))
+            merged_tokens = r.fin_tokens + [r.beams[beam_of[j]].tokens + [tok[j]] for j in range(k)]
+            merged_done = torch.cat((r.fin_done, just))
+            sel = torch.topk(merged, n).indices.tolist()
+            r.fin_scores, r.fin_done = merged[sel], merged_done[sel]
+            r.fin_tokens = [merged_tokens[j] for j in sel]
+        r.running = torch.cat(run_scores)
+        self._reorder(r, parents, tokens)
+        r.first = False
+        r.cur_len += 1
+        r.gen.accepted_lengths.append(1)
+        hyp = (r.max_length - len(r.prompt)) if (self.early_stopping == "never" and self.length_penalty > 0) \
+            else (r.cur_len - len(r.prompt))
+        best = r.running[:1] / (hyp ** self.length_penalty)
+        worst = torch.where(r.fin_done, r.fin_scores.min(), torch.tensor(NEG))
+        r.unsatisfied = r.unsatisfied and bool((best > worst).any())
+        all_hit = bool(torch.cat(hits_all).all())
+        r.done = not (r.unsatisfied and not (bool(r.fin_done.all()) and self.early_stopping is True) and not all_hit)
+        stats = self.kv.stats()
+        r.kv_peak = max(r.kv_peak, stats["bytes_in_use"])
+        slot = getattr(self.kv, "slot_bytes", 0)
+        r.kv_copy = max(r.kv_copy, n * (r.cur_len - 1) * slot)
+
+    def _mask(self, r: _Request, log_probs: torch.Tensor) -> torch.Tensor:
+        """Each beam's row masked with its own constraint state (-inf outside the language)."""
+        if all(b.constraint is None for b in r.beams):
+            return log_probs
+        bits = torch.full((len(r.beams), words(log_probs.shape[-1])), -1, dtype=torch.int32)
+        for k, b in enumerate(r.beams):
+            if b.constraint is not None:
+                b.constraint.fill(bits[k])
+        return log_probs.masked_fill(~unpack(bits, log_probs.shape[-1]), float("-inf"))
+
+    def _reorder(self, r: _Request, parents: list[int], tokens: list[int]) -> None:
+        """The new running beams: child j continues beam parents[j] with tokens[j]. A parent's first
+        child takes its sequence (and constraint state); further children fork them; parents no
+        child keeps are freed."""
+        old = r.beams
+        children: dict[int, list[int]] = {}
+        for j, p in enumerate(parents):
+            children.setdefault(p, []).append(j)
+        new: list[_Beam | None] = [None] * len(parents)
+        for p, js in children.items():  # forks first: they copy the parent's state as it is now
+            for j in js[1:]:
+                c = old[p].constraint
+                new[j] = _Beam(self.kv.fork(old[p].seq), list(old[p].tokens), None if c is None else c.fork())
+        for p, js in children.items():
+            new[js[0]] = _Beam(old[p].seq, list(old[p].tokens), old[p].constraint)
+        for p, b in enumerate(old):
+            if p not in children:
+                self.kv.free(b.seq)
+        for b, t in zip(new, tokens):
+            b.tokens.append(t)
+            if b.constraint is not None and t not in self.eos_ids and not b.constraint.advance(t):
+                b.constraint = _Dead()  # a continuation scored -inf (fewer legal ones than beams)
+        r.beams = new
+
+    def _release(self, r: _Request) -> None:
+        for b in r.beams:
+            if b.seq in self.kv.sequences:
+                self.kv.free(b.seq)
+        r.beams = []
+
+    def _finish(self, r: _Request, on_tokens) -> Generation:
+        gen = r.gen
+        hyps = [(toks, float(s)) for toks, s, d in zip(r.fin_tokens, r.fin_scores.tolist(), r.fin_done.tolist()) if d]
+        gen.beams = hyps[:self.num_return_sequences]
+        best = gen.beams[0][0] if gen.beams else []
+        gen.token_ids = list(best)
+        gen.finish_reason = "eos" if best and best[-1] in self.eos_ids else (
+            "context" if r.max_length < len(r.prompt) + self.max_new_tokens else "length")
+        gen.wall_s = time.perf_counter() - r.t0
+        gen.kv_peak_bytes, gen.kv_copy_per_beam_bytes = r.kv_peak, r.kv_copy
+        if on_tokens is not None and best:
+            on_tokens(r.index, best, None)
+        return gen
+
+
+class _Dead:
+    """The state of a beam whose last token left its language: nothing is allowed after it."""
+
+    def fill(self, bits: torch.Tensor) -> None:
+        bits.zero_()
+
+    def fork(self) -> "_Dead":
+        return self
+
+    def advance(self, token: int) -> bool:
+        return False
