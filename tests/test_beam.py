@@ -15,6 +15,7 @@ from components.sampler.logits import Sampler
 from pipeline.core import BeamSearch, Engine, UserError
 
 from conftest import compose_config
+from test_decode import replace
 from toy import ScriptedModel
 
 A, B, C, D, EOS, BOS = range(6)
@@ -27,8 +28,9 @@ def dist(**p) -> list[float]:
     for k, v in p.items():
         probs[names[k]] = v
     rest = [t for t in range(5) if probs[t] == 0.0]
+    mass = 1 - sum(probs)
     for t in rest:
-        probs[t] = (1 - sum(probs)) / len(rest) if rest else 0.0
+        probs[t] = mass / len(rest)
     return [math.log(max(x, 1e-12)) for x in probs]
 
 
@@ -61,9 +63,12 @@ def test_seed_toy_greedy_a_eos_beam_b_a_eos():
     g = beam.generate([BOS])
     assert g.token_ids == [B, A, EOS]
     (best, s1), (second, s2) = g.beams
-    assert best == [B, A, EOS] and second == [A, EOS]
+    assert best == [B, A, EOS] and second == [A, C, EOS]  # A EOS (0.20) was finished, then outranked
     assert s1 == pytest.approx(math.log(0.4 * 0.9 * 0.95) / 3, abs=1e-6)  # length_penalty 1: / 3 tokens
-    assert s2 == pytest.approx(math.log(0.5 * 0.4) / 2, abs=1e-6)
+    assert s2 == pytest.approx(math.log(0.5 * 0.3 * 0.9) / 3, abs=1e-6)
+    g = toy(2, num_return_sequences=2, length_penalty=0.0)[0].generate([BOS])  # raw cumulative log-probability
+    assert [t for t, _ in g.beams] == [[B, A, EOS], [A, EOS]]
+    assert g.beams[0][1] > math.log(0.5 * 0.4) == pytest.approx(g.beams[1][1], abs=1e-6)
     assert kv.sequences == [] and kv.stats()["blocks_in_use"] == 0
 
 
@@ -86,13 +91,13 @@ def test_no_block_leaks_and_shared_prompt(tiny_backbone, kv):
     bb = tiny_backbone
     eng = build_engine(compose_config(["model=tiny", "decode=beam", f"kv={kv}", "max_new_tokens=12",
                                        "batch_size=2", "num_return_sequences=3"]), bb)[0]
-    long = bb.tokenizer.encode("word " * 250, add_special_tokens=False)[:500]
+    long = bb.tokenizer.encode("word " * 600, add_special_tokens=False)[:500]
     prompts = [long, bb.tokenizer.encode("Hi", add_special_tokens=False), long[:100]]
     gens = eng.run(prompts)
     assert all(len(g.beams) == 3 for g in gens)
     assert eng.kv.sequences == [] and eng.kv.stats()["bytes_in_use"] == 0
-    if kv == "paged":
-        g = gens[0]
+    if kv == "paged":  # one request at a time: the pool's peak is its own
+        g = replace(eng, batch_size=1).run([long])[0]
         one = (len(long) + 12) * eng.kv.slot_bytes
         assert g.kv_peak_bytes <= 1.3 * one + 4 * eng.kv.block_size * eng.kv.slot_bytes
         assert g.kv_copy_per_beam_bytes > 3 * one * 0.9
