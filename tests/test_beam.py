@@ -178,3 +178,55 @@ def test_hypotheses_and_scores_equal_transformers(real_backbone, real_hf, knobs)
         assert [t for t, _ in g.beams] == seqs
         assert [s for _, s in g.beams] == pytest.approx(scores, abs=1e-4)
     assert eng.kv.sequences == []
+
+
+def test_constrained_beams_each_follow_their_own_state(tiny_backbone):
+    """A regex per request: every beam carries its own matcher, forked with it; every returned
+    hypothesis is in the language, and the pool ends empty."""
+    import re as regex
+    from components.constraint.grammar import Regex
+    bb = tiny_backbone
+    eng = BeamSearch(bb.model, PagedKV(bb), Sampler(do_sample=False), bb.eos_ids, 12, num_beams=4,
+                     num_return_sequences=4, batch_size=2)
+    pattern = "(cat|dog|bird)s? (run|sleep)s?"
+    grammar = Regex(bb, pattern=pattern)
+    prompts = [bb.tokenizer.encode(t, add_special_tokens=False) for t in ("Animals:", "Pets", "Birds:")]
+    gens = eng.run(prompts, grammars=[grammar, grammar, None])
+    for g in gens[:2]:
+        texts = [bb.tokenizer.decode(t, skip_special_tokens=True) for t, _ in g.beams]
+        assert len({tuple(t) for t, _ in g.beams}) == 4  # distinct token paths (texts may repeat: other splits)
+        for (toks, _), text in zip(g.beams, texts):
+            if toks[-1] in bb.eos_ids:
+                assert regex.fullmatch(pattern, text), text
+            else:
+                assert regex.match(r"(cat|dog|bird)", text), text
+    assert eng.kv.sequences == []
+
+
+def test_diverse_groups_run_and_free_everything(tiny_backbone):
+    bb = tiny_backbone
+    eng = BeamSearch(bb.model, PagedKV(bb), Sampler(do_sample=False), bb.eos_ids, 10, num_beams=4, num_beam_groups=2,
+                     diversity_penalty=1.0, num_return_sequences=4, batch_size=2)
+    gens = eng.run([bb.tokenizer.encode(t, add_special_tokens=False) for t in ("One", "Two words", "x")])
+    assert all(len(g.beams) == 4 for g in gens)
+    assert eng.kv.sequences == []
+    with pytest.raises(UserError, match="diversity_penalty"):
+        BeamSearch(bb.model, PagedKV(bb), Sampler(do_sample=False), bb.eos_ids, 10, num_beams=4, num_beam_groups=2)
+
+
+@pytest.mark.slow
+def test_diverse_beam_search_equals_transformers_4(real_backbone):
+    """Against tests/data/diverse_beam_reference.json: transformers 4.53.3's group beam search on this
+    model in float32 (scripts/diverse_beam_reference.py made it), three settings x four prompts."""
+    from pathlib import Path
+    ref = json.loads((Path(__file__).parent / "data" / "diverse_beam_reference.json").read_text())
+    bb = real_backbone
+    assert ref["eos_ids"] == bb.eos_ids
+    for run in ref["runs"]:
+        knobs = run["knobs"]
+        eng = BeamSearch(bb.model, PagedKV(bb), Sampler(do_sample=False), bb.eos_ids, ref["max_new_tokens"],
+                         num_return_sequences=knobs["num_beams"], **knobs)
+        g = eng.generate(run["prompt_ids"])
+        assert [t for t, _ in g.beams] == run["sequences"], (knobs, run["prompt"])
+        assert [s for _, s in g.beams] == pytest.approx(run["scores"], abs=1e-4)
+        assert eng.kv.sequences == []

@@ -63,6 +63,9 @@ class _Request:
     done: bool = False
     kv_peak: int = 0
     kv_copy: int = 0
+    group_hyps: list = field(default_factory=list)  # diverse beam search: per group [(score, tokens)]
+    group_worst: list = field(default_factory=list)
+    group_done: list = field(default_factory=list)
 
 
 class BeamSearch:
@@ -86,8 +89,8 @@ class BeamSearch:
             raise UserError(f"length_penalty must be a number, got {length_penalty!r}")
         if num_beams % num_beam_groups:
             raise UserError(f"num_beams={num_beams} must be divisible by num_beam_groups={num_beam_groups}")
-        if num_beam_groups > 1:
-            raise UserError("diverse beam search (num_beam_groups > 1) is not available yet: use num_beam_groups=1")
+        if num_beam_groups > 1 and not diversity_penalty:
+            raise UserError("num_beam_groups > 1 needs diversity_penalty > 0 (without it the groups search alike)")
         if not sampler.greedy:
             raise UserError("beam search ranks continuations by log-probability: temperature, top-k and top-p "
                             "do not apply to it; use sampler=greedy (or decode=sample without beams)")
@@ -190,21 +193,19 @@ class BeamSearch:
     def _advance(self, r: _Request, logits: torch.Tensor) -> None:
         """One beam-search step of request r from its beams' logits (n, V): transformers' ranking,
         then the new running beams take over the KV sequences (forks and frees)."""
+        if self.num_beam_groups > 1:
+            return self._advance_groups(r, logits)
         n, vocab = self.num_beams, logits.shape[-1]
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         log_probs = self.processors(log_probs, input_ids=lambda: [r.prompt + b.tokens for b in r.beams]).scores
         log_probs = self._mask(r, log_probs)
         if r.first:  # every beam holds the prompt: the same row, scores [0, -1e9, ...]
             log_probs = log_probs.expand(n, vocab)
-        groups = self.num_beam_groups
-        size = n // groups
+        groups, size = 1, n
         parents, tokens, run_scores, top_scores_all, hits_all, cand_tokens = [], [], [], [], [], []
         finished_candidates = []
         for g in range(groups):
             lp = log_probs[g * size:(g + 1) * size]
-            if groups > 1 and g > 0:  # Hamming diversity: tokens earlier groups chose at this step
-                counts = torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=vocab).to(lp.dtype)
-                lp = lp - self.diversity_penalty * counts
             cand = (lp + r.running[g * size:(g + 1) * size, None]).reshape(-1)
             k = max(2, 1 + len(self.eos_ids)) * size
             top_scores, top_idx = torch.topk(cand, k)
@@ -249,6 +250,110 @@ class BeamSearch:
         r.kv_peak = max(r.kv_peak, stats["bytes_in_use"])
         slot = getattr(self.kv, "slot_bytes", 0)
         r.kv_copy = max(r.kv_copy, n * (r.cur_len - 1) * slot)
+
+    def _advance_groups(self, r: _Request, logits: torch.Tensor) -> None:
+        """Diverse beam search as transformers 4.x defines it (`_group_beam_search` with its
+        BeamSearchScorer, removed from transformers 5's core): the beams form num_beam_groups groups
+        searched one after the other within a step; a group's log-probabilities lose
+        diversity_penalty x (how often each token was chosen at this step by the earlier groups,
+        Hamming diversity); each group keeps its own finished hypotheses (a list of group-size best,
+        scored sum(log p) / generated length ** length_penalty, EOS counted) and its own done flag;
+        at max_length the running beams of unfinished groups join their lists; the best hypotheses
+        over all groups are returned."""
+        n, vocab, groups = self.num_beams, logits.shape[-1], self.num_beam_groups
+        size = n // groups
+        if r.first:
+            r.running = torch.full((n,), NEG)
+            r.running[::size] = 0.0
+            r.group_hyps = [[] for _ in range(groups)]
+            r.group_worst = [1e9] * groups
+            r.group_done = [False] * groups
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        log_probs = self._mask(r, log_probs)
+        if r.first:
+            log_probs = log_probs.expand(n, vocab)
+        contexts = [r.prompt + b.tokens for b in r.beams] if not r.first else [r.prompt] * n
+        cur_len = r.cur_len + 1  # the length the new scores are computed on (prompt + generated + 1)
+        pad = min(self.eos_ids)
+        k = max(2, 1 + len(self.eos_ids)) * size
+        current = torch.zeros(n, dtype=torch.long)
+        new_scores = torch.zeros(n)
+        parents, tokens = [0] * n, [pad] * n
+        for g in range(groups):
+            rows = list(range(g * size, (g + 1) * size))
+            lp = self.processors(log_probs[rows], input_ids=lambda: [contexts[i] for i in rows]).scores
+            if g > 0:
+                freq = torch.bincount(current[:g * size], minlength=vocab).to(lp.dtype)
+                lp = lp - self.diversity_penalty * freq
+            cand = (lp + r.running[rows, None]).reshape(-1)
+            top_scores, top = torch.topk(cand, k, largest=True, sorted=True)
+            idx, tok = (top // vocab).tolist(), (top % vocab).tolist()
+            if r.group_done[g]:  # transformers pads a finished group: score 0, the pad token, its first beam
+                for j in rows:
+                    parents[j], tokens[j], new_scores[j] = g * size, pad, 0.0
+            else:
+                slot = 0
+                for rank, (t, sc, i) in enumerate(zip(tok, top_scores.tolist(), idx)):
+                    parent = 0 if r.first else g * size + i
+                    if t in self.eos_ids:
+                        if rank >= size:
+                            continue
+                        self._add_hyp(r, g, r.beams[parent].tokens + [t], sc, cur_len - len(r.prompt), size)
+                    else:
+                        j = g * size + slot
+                        parents[j], tokens[j], new_scores[j] = parent, t, top_scores[rank]
+                        slot += 1
+                    if slot == size:
+                        break
+                r.group_done[g] = r.group_done[g] or self._group_is_done(r, g, float(top_scores.max()), cur_len, size)
+            current[rows] = torch.tensor(tokens[g * size:(g + 1) * size])
+        r.running = new_scores
+        self._reorder(r, [p if not r.first else 0 for p in parents], tokens)
+        r.first = False
+        r.cur_len += 1
+        r.gen.accepted_lengths.append(1)
+        if all(r.group_done) or r.cur_len >= r.max_length:
+            for g in range(groups):  # running beams of unfinished groups join their lists
+                if not r.group_done[g]:
+                    for j in range(g * size, (g + 1) * size):
+                        self._add_hyp(r, g, list(r.beams[j].tokens), float(r.running[j]),
+                                      r.cur_len - len(r.prompt), size)
+            hyps = [h for g in range(groups) for h in r.group_hyps[g]]
+            ranked = sorted(hyps, key=lambda h: h[0])  # stable, best popped last, as transformers does
+            best = [ranked.pop() for _ in range(min(n, len(ranked)))]
+            r.fin_tokens = [t for _, t in best]
+            r.fin_scores = torch.tensor([s for s, _ in best], dtype=torch.float32)
+            r.fin_done = torch.ones(len(best), dtype=torch.bool)
+            r.done = True
+        stats = self.kv.stats()
+        r.kv_peak = max(r.kv_peak, stats["bytes_in_use"])
+        r.kv_copy = max(r.kv_copy, n * (r.cur_len - 1) * getattr(self.kv, "slot_bytes", 0))
+
+    def _add_hyp(self, r: _Request, g: int, tokens: list[int], sum_logprobs: float, length: int, size: int) -> None:
+        """transformers 4.x BeamHypotheses.add for group g (at most `size` kept)."""
+        score = sum_logprobs / (length ** self.length_penalty)
+        hyps = r.group_hyps[g]
+        if len(hyps) < size or score > r.group_worst[g]:
+            hyps.append((score, tokens))
+            if len(hyps) > size:
+                order = sorted((s, i) for i, (s, _) in enumerate(hyps))
+                del hyps[order[0][1]]
+                r.group_worst[g] = order[1][0]
+            else:
+                r.group_worst[g] = min(score, r.group_worst[g])
+
+    def _group_is_done(self, r: _Request, g: int, best_sum_logprobs: float, cur_len: int, size: int) -> bool:
+        """transformers 4.x BeamHypotheses.is_done for group g."""
+        if len(r.group_hyps[g]) < size:
+            return False
+        if self.early_stopping is True:
+            return True
+        prompt = len(r.prompt)
+        if self.early_stopping == "never" and self.length_penalty > 0.0:
+            best = best_sum_logprobs / (r.max_length - prompt) ** self.length_penalty
+        else:
+            best = best_sum_logprobs / (cur_len - prompt) ** self.length_penalty
+        return r.group_worst[g] >= best
 
     def _mask(self, r: _Request, log_probs: torch.Tensor) -> torch.Tensor:
         """Each beam's row masked with its own constraint state (-inf outside the language)."""
