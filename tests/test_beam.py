@@ -140,8 +140,7 @@ def test_results_list_beams(tmp_path, tiny_backbone):
     assert item["text"] == item["beams"][0]["text"]
 
 
-PROMPTS = ["Write a haiku about autumn.", "What is the capital of France?", "List three colors.",
-           "Explain gravity to a child."]
+PROMPTS = ["Write a haiku about autumn.", "What is the capital of France?", "Explain gravity to a child."]
 
 
 def _hf_beams(hf, bb, prompt_ids, max_new_tokens, **kw):
@@ -170,11 +169,11 @@ def test_hypotheses_and_scores_equal_transformers(real_backbone, real_hf, knobs)
     bb = real_backbone
     over = [f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower()}" for k, v in knobs.items()]
     eng = build_engine(compose_config(["model.dtype=float32", "decode=beam", "kv=paged", "num_return_sequences=4",
-                                       "max_new_tokens=20", "batch_size=2", *over]), bb)[0]
+                                       "max_new_tokens=16", "batch_size=2", *over]), bb)[0]
     prompts = [encode_chat(bb.tokenizer, None, p, True, None) for p in PROMPTS]
     gens = eng.run(prompts)
     for p, g in zip(prompts, gens):
-        seqs, scores = _hf_beams(real_hf, bb, p, 20, **knobs)
+        seqs, scores = _hf_beams(real_hf, bb, p, 16, **knobs)
         assert [t for t, _ in g.beams] == seqs
         assert [s for _, s in g.beams] == pytest.approx(scores, abs=1e-4)
     assert eng.kv.sequences == []

@@ -112,7 +112,7 @@ def test_bench_cli_writes_bench_json(tmp_path):
 
 
 @pytest.mark.parametrize("decodes, message", [
-    ("decodes=[greedy,nope]", "unknown decode 'nope' in decodes; known: greedy"),
+    ("decodes=[greedy,nope]", "unknown decode 'nope' in decodes; known: beam, greedy"),
     ("decode=greedy", "not decode="),
 ])
 def test_bench_bad_input_is_one_line(decodes, message, tmp_path):

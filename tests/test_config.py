@@ -12,7 +12,7 @@ from omegaconf import OmegaConf, open_dict
 
 import pipeline.cli
 from pipeline.build import build_engine, component
-from pipeline.core import Engine
+from pipeline.core import BeamSearch, Engine
 
 from conftest import compose_config
 
@@ -91,7 +91,7 @@ def instantiate_option(group, option, cfg, backbone, heads_ckpt, tmp_path):
     if group == "decode":  # a global preset: it picks the components, the decoder assembles them
         assert cfg.name == option, f"conf/decode/{option}.yaml must set name: {option} (results.json's decode)"
         decoder, _ = build_engine(with_tiny_context(cfg, heads_ckpt), backbone)
-        assert isinstance(decoder, Engine)
+        assert isinstance(decoder, BeamSearch if cfg.get("num_beams") is not None else Engine)
         if decoder.proposer is not None:  # a speculative preset must be runnable as configured
             assert decoder.verifier is not None and decoder.sampler.greedy
         return decoder
