@@ -209,7 +209,9 @@ class Constrained:
     def run(self, prompts, seeds=None, **kw):
         return self.engine.run(prompts, seeds, grammars=self.grammars[:len(prompts)], **kw)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name):  # only for names it lacks: the engine's kv, proposer, ...
+        if name == "engine":
+            raise AttributeError(name)
         return getattr(self.engine, name)
 
 
