@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from pipeline.core.constrain import unpack, words
+from pipeline.core.engine import check_prompts, request_grammars
 from pipeline.core.errors import UserError
 from pipeline.core.target import TargetStage
 from pipeline.core.types import Generation, StepBatch
@@ -119,13 +120,8 @@ class BeamSearch:
         not final before), then on_finish(i, generation). Every beam's memory goes back to the pool
         on any exception."""
         limit = self.model.args.max_seq_len
-        for i, p in enumerate(prompts):
-            if not p:
-                raise UserError(f"request {i} has an empty prompt: give it some text")
-            if len(p) >= limit:
-                raise UserError(f"request {i}: prompt is {len(p)} tokens, the model's context is {limit}: "
-                                "shorten it or raise model.max_seq_len")
-        grammars = [g or self.constraint for g in grammars] if grammars is not None else [self.constraint] * len(prompts)
+        check_prompts(prompts, limit)
+        grammars = request_grammars(grammars, self.constraint, len(prompts))
         queue, live = deque(range(len(prompts))), []
         out: list[Generation | None] = [None] * len(prompts)
         try:
@@ -201,41 +197,30 @@ class BeamSearch:
         log_probs = self._mask(r, log_probs)
         if r.first:  # every beam holds the prompt: the same row, scores [0, -1e9, ...]
             log_probs = log_probs.expand(n, vocab)
-        groups, size = 1, n
-        parents, tokens, run_scores, top_scores_all, hits_all, cand_tokens = [], [], [], [], [], []
-        finished_candidates = []
-        for g in range(groups):
-            lp = log_probs[g * size:(g + 1) * size]
-            cand = (lp + r.running[g * size:(g + 1) * size, None]).reshape(-1)
-            k = max(2, 1 + len(self.eos_ids)) * size
-            top_scores, top_idx = torch.topk(cand, k)
-            beam_of = [0] * k if r.first else (top_idx // vocab + g * size).tolist()  # first: one prompt row
-            tok = (top_idx % vocab).tolist()
-            hits = torch.tensor([t in self.eos_ids or r.cur_len + 1 >= r.max_length for t in tok])
-            ranked = top_scores + hits.to(torch.float32) * NEG
-            nxt = torch.topk(ranked, size).indices.tolist()
-            parents += [beam_of[j] for j in nxt]
-            tokens += [tok[j] for j in nxt]
-            run_scores.append(ranked[nxt])
-            finished_candidates.append((top_scores, hits, beam_of, tok, size))
-            hits_all.append(hits)
-        # finished hypotheses: the top `size` candidates of each group that ended
-        for top_scores, hits, beam_of, tok, size_g in finished_candidates:
-            k = top_scores.shape[0]
-            just = hits & (torch.arange(k) < size_g)
-            fs = top_scores / ((r.cur_len + 1 - len(r.prompt)) ** self.length_penalty)
-            full = bool(r.fin_done.all()) and self.early_stopping is True
-            fs = fs + float(full) * NEG
-            fs = fs + float(not r.unsatisfied) * NEG
-            fs = fs + (~just).to(torch.float32) * NEG
-            merged = torch.cat((r.fin_scores, fs))
-            merged_tokens = r.fin_tokens + [r.beams[beam_of[j]].tokens + [tok[j]] for j in range(k)]
-            merged_done = torch.cat((r.fin_done, just))
-            sel = torch.topk(merged, n).indices.tolist()
-            r.fin_scores, r.fin_done = merged[sel], merged_done[sel]
-            r.fin_tokens = [merged_tokens[j] for j in sel]
-        r.running = torch.cat(run_scores)
-        self._reorder(r, parents, tokens)
+        cand = (log_probs + r.running[:, None]).reshape(-1)
+        k = max(2, 1 + len(self.eos_ids)) * n
+        top_scores, top_idx = torch.topk(cand, k)
+        beam_of = [0] * k if r.first else (top_idx // vocab).tolist()  # first: one prompt row
+        tok = (top_idx % vocab).tolist()
+        hits = torch.tensor([t in self.eos_ids or r.cur_len + 1 >= r.max_length for t in tok])
+        # the next running beams: the best n candidates that did not end
+        ranked = top_scores + hits.to(torch.float32) * NEG
+        nxt = torch.topk(ranked, n).indices.tolist()
+        # finished hypotheses: those among the top n candidates that ended
+        just = hits & (torch.arange(k) < n)
+        fs = top_scores / ((r.cur_len + 1 - len(r.prompt)) ** self.length_penalty)
+        full = bool(r.fin_done.all()) and self.early_stopping is True
+        fs = fs + float(full) * NEG
+        fs = fs + float(not r.unsatisfied) * NEG
+        fs = fs + (~just).to(torch.float32) * NEG
+        merged = torch.cat((r.fin_scores, fs))
+        merged_tokens = r.fin_tokens + [r.beams[beam_of[j]].tokens + [tok[j]] for j in range(k)]
+        merged_done = torch.cat((r.fin_done, just))
+        sel = torch.topk(merged, n).indices.tolist()
+        r.fin_scores, r.fin_done = merged[sel], merged_done[sel]
+        r.fin_tokens = [merged_tokens[j] for j in sel]
+        r.running = ranked[nxt]
+        self._reorder(r, [beam_of[j] for j in nxt], [tok[j] for j in nxt])
         r.first = False
         r.cur_len += 1
         r.gen.accepted_lengths.append(1)
@@ -244,12 +229,9 @@ class BeamSearch:
         best = r.running[:1] / (hyp ** self.length_penalty)
         worst = torch.where(r.fin_done, r.fin_scores.min(), torch.tensor(NEG))
         r.unsatisfied = r.unsatisfied and bool((best > worst).any())
-        all_hit = bool(torch.cat(hits_all).all())
-        r.done = not (r.unsatisfied and not (bool(r.fin_done.all()) and self.early_stopping is True) and not all_hit)
-        stats = self.kv.stats()
-        r.kv_peak = max(r.kv_peak, stats["bytes_in_use"])
-        slot = getattr(self.kv, "slot_bytes", 0)
-        r.kv_copy = max(r.kv_copy, n * (r.cur_len - 1) * slot)
+        r.done = not (r.unsatisfied and not (bool(r.fin_done.all()) and self.early_stopping is True)
+                      and not bool(hits.all()))
+        self._note_kv(r)
 
     def _advance_groups(self, r: _Request, logits: torch.Tensor) -> None:
         """Diverse beam search as transformers 4.x defines it (`_group_beam_search` with its
@@ -325,9 +307,12 @@ class BeamSearch:
             r.fin_scores = torch.tensor([s for s, _ in best], dtype=torch.float32)
             r.fin_done = torch.ones(len(best), dtype=torch.bool)
             r.done = True
-        stats = self.kv.stats()
-        r.kv_peak = max(r.kv_peak, stats["bytes_in_use"])
-        r.kv_copy = max(r.kv_copy, n * (r.cur_len - 1) * getattr(self.kv, "slot_bytes", 0))
+        self._note_kv(r)
+
+    def _note_kv(self, r: _Request) -> None:
+        """The pool's bytes in use while r runs, and what a copy of the prefix per beam would hold."""
+        r.kv_peak = max(r.kv_peak, self.kv.stats()["bytes_in_use"])
+        r.kv_copy = max(r.kv_copy, self.num_beams * (r.cur_len - 1) * getattr(self.kv, "slot_bytes", 0))
 
     def _add_hyp(self, r: _Request, g: int, tokens: list[int], sum_logprobs: float, length: int, size: int) -> None:
         """transformers 4.x BeamHypotheses.add for group g (at most `size` kept)."""

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from pipeline.core.constrain import walk_tree, words
+from pipeline.core.constrain import allows, walk_tree, words
 from pipeline.core.errors import UserError
 from pipeline.core.target import TargetStage
 from pipeline.core.tree import Tree
@@ -101,16 +101,9 @@ class Engine:
         target states hidden (n, dim); on_finish(i, generation) as soon as request i is done.
         grammars[i]: request i's own constraint (None: the engine's). On any exception (a failure,
         Ctrl-C) every live sequence's memory goes back to the pool first."""
-        limit = self.model.args.max_seq_len
-        for i, p in enumerate(prompts):
-            if not p:
-                raise UserError(f"request {i} has an empty prompt: give it some text")
-            if len(p) >= limit:
-                raise UserError(f"request {i}: prompt is {len(p)} tokens, the model's context is {limit}: "
-                                "shorten it or raise model.max_seq_len")
+        check_prompts(prompts, self.model.args.max_seq_len)
         seeds = [self.seed + i for i in range(len(prompts))] if seeds is None else list(seeds)
-        grammars = [g or self.constraint for g in grammars] if grammars is not None else [self.constraint] * len(prompts)
-        self._grammars = grammars
+        self._grammars = request_grammars(grammars, self.constraint, len(prompts))
         queue, live = deque(range(len(prompts))), []
         out: list[Generation | None] = [None] * len(prompts)
         try:
@@ -381,8 +374,23 @@ class Engine:
     def _end_token(self, c) -> int:
         bits = torch.zeros(words(self.model.args.vocab_size), dtype=torch.int32)
         c.fill(bits)
-        allowed = [e for e in sorted(self.eos_ids) if (int(bits[e >> 5]) >> (e & 31)) & 1]
+        allowed = [e for e in sorted(self.eos_ids) if allows(bits, e)]
         return allowed[0] if allowed else min(self.eos_ids)
+
+
+def check_prompts(prompts: list[list[int]], limit: int) -> None:
+    """Every prompt non-empty and shorter than the context, else a one-line error naming the request."""
+    for i, p in enumerate(prompts):
+        if not p:
+            raise UserError(f"request {i} has an empty prompt: give it some text")
+        if len(p) >= limit:
+            raise UserError(f"request {i}: prompt is {len(p)} tokens, the model's context is {limit}: "
+                            "shorten it or raise model.max_seq_len")
+
+
+def request_grammars(grammars: list | None, default, n: int) -> list:
+    """Each request's constraint: its own where given, else the runner's configured one."""
+    return [g or default for g in grammars] if grammars is not None else [default] * n
 
 
 def _contexts(live: list[_Live], trees: list[Tree]) -> list[list[int]]:
