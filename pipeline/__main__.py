@@ -12,14 +12,17 @@ from pipeline.errors import one_line_errors
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 @one_line_errors
-def main(cfg: DictConfig) -> dict:
+def main(cfg: DictConfig) -> float:
+    """Returns the run's tokens/s: what a search sweeper (sweep=tree_search) maximises."""
+    from pipeline import threads
     from pipeline.decode import decode
+    threads.configure(cfg)
     metrics, _ = decode(cfg)
     s = metrics
     print(f"{s['requests']} requests, {s['new_tokens']} tokens in {s['wall_s']:.2f} s "
           f"({s['tokens_per_s']:.1f} tokens/s, mean accepted length {s['mean_accepted_length']:.2f}) "
           f"-> {s['results_path']}", file=sys.stderr)
-    return metrics
+    return float(s["tokens_per_s"])
 
 
 if __name__ == "__main__":

@@ -152,6 +152,9 @@ def bench(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[dict, di
                           "platform": platform.platform()},
               "command": " ".join(["python -m pipeline.bench", *map(shlex.quote, given)])}
     path = write_json(run_dir(cfg) / "bench.json", result)
+    if cfg.get("logger") is not None:
+        from pipeline.tracking import log_bench
+        log_bench(cfg, result, run_dir(cfg))
     return {**result, "bench_path": str(path)}, {"pipelines": pipes, "backbones": backbones}
 
 
@@ -272,6 +275,8 @@ def markdown_table(result: dict) -> str:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="bench")
 @one_line_errors
 def main(cfg: DictConfig) -> dict:
+    from pipeline import threads
+    threads.configure(cfg)
     result, _ = bench(cfg)
     print(markdown_table(result), flush=True)
     print(f"-> {result['bench_path']}", file=sys.stderr)

@@ -18,6 +18,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import replace
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.build import build_engine, check_constraint, check_paths, constraint_node, positive_int
@@ -101,18 +102,45 @@ def run_requests(engine: Engine, prompts: list[list[int]], seeds: list[int] | No
 
 
 def preset_name(cfg: DictConfig) -> str:
-    """The preset's name if the run uses the preset's components, else "custom": a run whose proposer,
-    verifier or sampler was picked by hand is never reported as a preset it is not."""
+    """The preset's name if the run uses the preset's components, else the preset followed by the
+    components that differ (`greedy proposer=ngram verifier=greedy`): a run whose proposer,
+    verifier or sampler was picked by hand is never reported, or taken by a sweep, as a preset it
+    is not."""
     from pipeline.cli import compose_config, groups
     name = cfg.get("name") or "custom"
     if name not in groups()["decode"]:
         return "custom"
     ref = compose_config([f"decode={name}"])
+    differ = [f"{g}={component_choice(g, cfg.get(g))}" for g in ("proposer", "verifier", "sampler")
+              if _pick(ref.get(g)) != _pick(cfg.get(g))]
+    return " ".join([name, *differ])
 
-    def picks(c):
-        return [OmegaConf.select(c, f"{g}._target_") for g in ("proposer", "verifier", "sampler")] + \
-               [OmegaConf.select(c, "sampler.do_sample")]
-    return name if picks(ref) == picks(cfg) else "custom"
+
+def _pick(node):
+    """What makes a component this component: its class (and, for samplers, whether it samples)."""
+    if node is None:
+        return None
+    return OmegaConf.select(node, "_target_"), OmegaConf.select(node, "do_sample")
+
+
+def component_choice(group: str, node) -> str:
+    """The config-group option a component node came from (the running Hydra app's choice, else
+    the conf/<group>/ file with the same class), for naming runs."""
+    if node is None:
+        return "null"
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        choice = HydraConfig.get().runtime.choices.get(group)
+        if choice:
+            return str(choice)
+    except ValueError:
+        pass
+    from pipeline.cli import CONF_DIR
+    import yaml
+    for f in sorted((CONF_DIR / group).glob("*.yaml")):
+        if _pick(OmegaConf.create(yaml.safe_load(f.read_text()) or {})) == _pick(node):
+            return f.stem
+    return str(OmegaConf.select(node, "_target_")).rsplit(".", 1)[-1]
 
 
 def load_items(path, keys: dict[str, str]) -> dict[str, dict]:
@@ -205,6 +233,7 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
     signals, fresh = _Signals(), {}
     with signals.installed():  # from here on, SIGTERM is a clean stop like Ctrl-C
         engine, backbone = build_engine(cfg, backbone, with_constraint=False)  # each request's is passed
+        engine.record_trees = bool(cfg.get("record_trees", False))
         tok, limit = backbone.tokenizer, backbone.model.args.max_seq_len
         grammar_cache: dict = {}
         grammars = build_grammars(backbone, constraint_nodes, todo, grammar_cache)
@@ -235,6 +264,10 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
                 item["beams"] = [{"token_ids": ids, "text": tok.decode(ids, skip_special_tokens=True), "score": score}
                                  for ids, score in g.beams]
                 item["kv_peak_bytes"], item["kv_copy_per_beam_bytes"] = g.kv_peak_bytes, g.kv_copy_per_beam_bytes
+            if engine.record_trees:  # what pipeline.report draws, with each token's text
+                piece = lambda ids: [tok.decode([t]) for t in ids]
+                item["token_texts"] = piece(g.token_ids)
+                item["trees"] = [{**t, "texts": piece(t["tokens"])} for t in g.trees]
             with signals.saving_item():
                 append_jsonl(items_path, item)
                 fresh[r.id] = item
@@ -261,17 +294,24 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
         items = [done.get(r.id) or fresh[r.id] for r in reqs if r.id in done or r.id in fresh]
         summary = summarize(list(fresh.values()), wall)  # speed of this run's requests
         summary.update(requests=len(items), finished_now=len(fresh), resumed=len(done), interrupted=interrupted,
+                       threads=torch.get_num_threads(),
                        kv=engine.kv.stats(), **backbone.describe(), **({"speculation": policy} if policy else {}))
+        tree = getattr(engine.proposer or engine.idle_proposer, "tree_spec", None)
+        if tree is not None:
+            summary["tree"] = tree
         if cfg.get("verify_lossless") and not interrupted:
             try:
                 summary.update(verify_lossless(engine, backbone, cfg, reqs, items, constraint_nodes, grammar_cache))
             except KeyboardInterrupt:  # the decoding itself is complete: keep it, without a verdict
                 interrupted = summary["interrupted"] = True
-        results = {"decode": name, "config": OmegaConf.to_container(cfg, resolve=True),
-                   "summary": summary, "items": items}
+        results = {"decode": name, "plain": cfg.get("proposer") is None and cfg.get("num_beams") is None,
+                   "config": OmegaConf.to_container(cfg, resolve=True), "summary": summary, "items": items}
         path = out / "results.json"
         if fresh or not interrupted:  # an interrupted run that finished nothing leaves what is there alone
             write_json(path, results)
+            if cfg.get("logger") is not None:
+                from pipeline.tracking import log_decode
+                log_decode(cfg, results, out)
     if interrupted:
         raise Interrupted(f"interrupted: {len(items)} of {len(reqs)} requests finished"
                           f"{f', kept in {items_path}' if items else ''}; rerun with hydra.run.dir={out} to resume")

@@ -130,6 +130,13 @@ def test_every_option_composes_and_instantiates(group, option, tiny_backbone, ti
     overrides = [f"{group}={option}"]
     if group != "model" and "model" in PRIMARIES.get(primary, ()):
         overrides.append("model=tiny")
+    if group == "sweep":  # a ready-made sweep: the sweeper's class and what it sweeps
+        from hydra import compose, initialize_config_dir
+        with initialize_config_dir(config_dir=str(pipeline.cli.CONF_DIR), version_base="1.3"):
+            full = compose(config_name=primary, overrides=overrides, return_hydra_config=True)
+        assert full.hydra.sweeper._target_.startswith("hydra_plugins.decode_sweepers.sweepers.")
+        assert full.hydra.sweeper.params and full.name != "greedy"  # it picks a speculative preset
+        return
     cfg = compose_config(overrides, config_name=primary)
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
     if (group, option) == ("constraint", "none"):  # no component: every token may come next

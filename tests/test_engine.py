@@ -267,8 +267,8 @@ def test_items_are_appended_and_a_rerun_resumes(tmp_path):
 
 @pytest.mark.parametrize("overrides,name", [(["decode=tree_ngram"], "tree_ngram"),
                                             (["decode=tree_ngram", "tree.width=3"], "tree_ngram"),
-                                            (["decode=greedy", "proposer=ngram", "verifier=greedy"], "custom"),
-                                            (["decode=greedy", "sampler=sample"], "custom"),
+                                            (["decode=greedy", "proposer=ngram", "verifier=greedy"], "greedy proposer=ngram verifier=greedy"),
+                                            (["decode=greedy", "sampler=sample"], "greedy sampler=sample"),
                                             (["decode=sample", "kv=paged"], "sample")])
 def test_hand_picked_components_are_not_reported_as_a_preset(tmp_path, overrides, name):
     cfg = compose_config(["model=tiny", "max_new_tokens=4", "prompt=hi", "stream=false", *overrides],

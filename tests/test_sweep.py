@@ -1,33 +1,144 @@
-"""Sweep summaries: a real `python -m pipeline -m` sweep on model=tiny ends with summary.csv, .md and
-.png in its multirun directory; speedups pair each job with the greedy jobs of the same context."""
+"""Sweeps, searches and pictures: a real `python -m pipeline -m` sweep on model=tiny measures its own
+greedy baseline and ends with summary.csv, .md and .png; speedups pair each job with the plain jobs of
+the same context; a hand-composed speculative run is never a baseline; the Optuna search records its
+best trial; pipeline.report draws trees; wandb logs decoding runs offline."""
 from __future__ import annotations
 
 import csv
 import json
 import subprocess
 
+import pytest
 import yaml
-from conftest import PYTHON, REPO_ROOT
+from conftest import PYTHON, REPO_ROOT, subprocess_env
 
 from pipeline.sweep import load_jobs, rows, write_summary
 
 PNG = b"\x89PNG"
 
 
-def test_multirun_writes_summaries(tmp_path):
-    sweep = tmp_path / "sweep"
-    proc = subprocess.run([PYTHON, "-m", "pipeline", "-m", "model=tiny", "prompt=hi", "max_new_tokens=4",
-                           "stream=false", "tree.width=1,2", f"hydra.sweep.dir={sweep}"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+def not_blank(path) -> bool:
+    from matplotlib.image import imread
+    img = imread(path)
+    return path.read_bytes()[:4] == PNG and img.shape[0] > 50 and float(img[..., :3].std()) > 0.05
+
+
+def run_sweep(*args, timeout=300):
+    proc = subprocess.run([PYTHON, "-m", "pipeline", "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_two_by_two_sweep_measures_its_own_greedy_baseline(tmp_path):
+    """A 2 x 2 tree sweep on model=tiny: the sweeper adds one greedy job, first, in the same sweep;
+    every speedup is over it; job directories are named by their overrides; the heatmaps are drawn."""
+    sweep = tmp_path / "sweep"
+    run_sweep("model=tiny", "prompt=one two three one two three", "max_new_tokens=12", "stream=false", "seed=3",
+              "decode=tree_ngram", "tree.width=1,2", "tree.depth=1,2", f"hydra.sweep.dir={sweep}")
     with open(sweep / "summary.csv") as f:
         table = list(csv.DictReader(f))
-    assert [r["tree.width"] for r in table] == ["1", "2"]
-    assert all(float(r["tokens_per_s"]) > 0 and r["mean_accepted_length"] == "1.000" for r in table)
-    assert all(r["speedup"] for r in table)  # decode=greedy jobs: each is its own baseline context
-    md = (sweep / "summary.md").read_text().splitlines()
-    assert md[0].startswith("| job |") and len(md) == 4
-    assert (sweep / "summary.png").read_bytes()[:4] == PNG
+    assert len(table) == 5
+    base, cells = table[0], table[1:]
+    assert base["decode"] == "greedy" and base["plain"] == "True" and base["speedup"] == "1.000"
+    assert base["job"] == "0-model=tiny,prompt=one_two_three_one_two_three,max_new_tokens=12,stream=False,decode=greedy"
+    assert [(r["tree.width"], r["tree.depth"]) for r in cells] == [("1", "1"), ("1", "2"), ("2", "1"), ("2", "2")]
+    assert all(r["decode"] == "tree_ngram" and r["plain"] == "False" for r in cells)
+    for r in cells:  # the speedup is over the baseline job of this sweep
+        assert abs(float(r["speedup"]) - float(r["tokens_per_s"]) / float(base["tokens_per_s"])) < 2e-3
+        assert "seed" not in r["job"] and f"tree.width={r['tree.width']},tree.depth={r['tree.depth']}" in r["job"]
+    baseline = json.loads((sweep / base["job"] / "results.json").read_text())
+    assert baseline["config"].get("proposer") is None and baseline["config"]["seed"] == 3  # same context
+    assert not_blank(sweep / "summary.png")
+
+
+def test_hand_composed_speculation_is_never_the_baseline(tmp_path, compose_cfg):
+    """`decode=greedy proposer=ngram verifier=greedy` is speculative whatever its preset: its own run
+    names it by its components, a sweep adds a real greedy job for it, and its rows never serve as one."""
+    from pipeline.sweep import is_plain, with_baselines
+    sweep = tmp_path / "sweep"
+    run_sweep("model=tiny", "prompt=hi", "max_new_tokens=6", "stream=false", "proposer=ngram", "verifier=greedy",
+              "tree.width=1,2", f"hydra.sweep.dir={sweep}")
+    with open(sweep / "summary.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [(r["decode"], r["plain"]) for r in table] == [("greedy", "True")] + \
+        [("greedy proposer=ngram verifier=greedy", "False")] * 2
+    assert table[0].get("proposer") in (None, "")
+    plain = lambda job: is_plain(compose_cfg(job))
+    jobs = [["proposer=ngram", "verifier=greedy", "tree.width=1"], ["decode=tree_ngram", "model.dtype=bfloat16"],
+            ["decode=greedy", "model.dtype=bfloat16"]]
+    assert with_baselines(jobs, plain) == [["decode=greedy"], *jobs]  # bfloat16 has its plain job already
+
+
+def test_optuna_search_runs_trials_and_records_the_best(tmp_path):
+    sweep = tmp_path / "search"
+    run_sweep("sweep=ngram_search", "model=tiny", "prompt=one two three one two three", "max_new_tokens=8",
+              "stream=false", "hydra.sweeper.n_trials=3", f"hydra.sweep.dir={sweep}")
+    found = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert set(found["best_params"]) == {"tree.width", "tree.depth", "tree.max_nodes"}
+    best = json.loads((sweep / "best.json").read_text())
+    assert best["trials"] == 3 and best["tokens_per_s"] == found["best_value"]
+    assert best["tree"] == {"width": found["best_params"]["tree.width"], "depth": found["best_params"]["tree.depth"],
+                            "max_nodes": found["best_params"]["tree.max_nodes"]}
+    with open(sweep / "summary.csv") as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 4 and table[0]["plain"] == "True"  # the baseline ran first, then 3 trials
+    assert all(r["speedup"] for r in table)
+
+
+def test_report_draws_trees_strips_and_acceptance(tmp_path, compose_cfg):
+    from pipeline.decode import decode
+    from pipeline.report import layout, main as report_main
+    run = tmp_path / "run"
+    cfg = compose_cfg(["model=tiny", "decode=tree_ngram", "max_new_tokens=24", "stream=false", "record_trees=true",
+                       "chat=false"], output_dir=run, prompt="one two three one two three one two three")
+    _, objs = decode(cfg)
+    item = objs["results"]["items"][0]
+    assert item["trees"] and len(item["token_texts"]) == len(item["token_ids"])
+    for t in item["trees"]:
+        assert t["path"][0] == 0 and len(t["texts"]) == len(t["tokens"]) == len(t["parents"])
+        assert item["accepted_lengths"][t["step"]] <= len(t["path"])
+    report_main([str(run)])
+    trees = sorted((run / "report").glob("tree-*.png"))
+    assert trees and all(not_blank(p) for p in trees)
+    assert all(p.with_suffix(".svg").read_text().lstrip().startswith("<?xml") for p in trees)
+    assert not_blank(run / "report" / "strip-prompt.png") and not_blank(run / "report" / "acceptance.png")
+    depth, y = layout([-1, 0, 0, 1, 1])
+    assert depth == [0, 1, 1, 2, 2] and y == [1.25, 0.5, 2.0, 0.0, 1.0]
+
+
+def test_report_refuses_what_it_cannot_draw(tmp_path, capsys):
+    from pipeline.report import main as report_main
+    with pytest.raises(SystemExit) as e:
+        report_main([str(tmp_path)])
+    assert e.value.code == 2 and "neither results.json nor sweep jobs" in capsys.readouterr().err
+
+
+def test_wandb_logs_a_decoding_run_offline(tmp_path, compose_cfg):
+    from pipeline.decode import decode
+    cfg = compose_cfg(["model=tiny", "decode=tree_ngram", "max_new_tokens=16", "stream=false", "record_trees=true",
+                       "logger=wandb", "chat=false"], output_dir=tmp_path, prompt="one two three one two three")
+    decode(cfg)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    media = {p.parent.name for p in (runs[0] / "files" / "media").rglob("*") if p.is_file()}
+    assert {"pictures", "decode"} <= media  # the pictures and the per-step table
+
+
+def test_thread_share_and_job_names(monkeypatch):
+    from pipeline import threads
+    from pipeline.sweep import job_dir
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "cores", lambda: 8)
+    monkeypatch.setattr(threads, "parallel_jobs", lambda: 3)
+    assert threads.share("auto") == 2 and threads.share(5) == 5
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert threads.share("auto") == 1
+    with pytest.raises(threads.UserError):
+        threads.share(0)
+    assert job_dir(4, ["seed=1", "tree.width=2", "input=a/b.jsonl"]) == "4-tree.width=2,input=a_b.jsonl"
+    long = job_dir(0, [f"prompt={'x' * 400}"])
+    assert len(long) < 140 and long.startswith("0-prompt=xxx")
 
 
 def fake_job(root, n, overrides, decode, tps, mal=1.0, tree_ms=None):

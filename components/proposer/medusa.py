@@ -22,7 +22,7 @@ def shipped_checkpoint(backbone_name: str) -> Path:
 class MedusaProposer(Proposer):
     def __init__(self, backbone, checkpoint: str | None = None, choices=None, tree_file: str | None = "auto",
                  width: int = 2, depth: int = 3, max_nodes: int = 16, dynamic: bool = False,
-                 nodes: int | str | None = "auto", p_min: float = 0.0, min_gain: float = 1.05):
+                 nodes: int | str | None = "auto", p_min: float | None = None, min_gain: float = 1.05):
         """checkpoint: heads.safetensors (null = the one shipped for this backbone). The tree is
         `choices` when given, else `tree_file` ("auto" = the tree.json written beside the checkpoint
         by `python -m pipeline.tree_search`, when present), else a full width x depth tree pruned to
@@ -34,14 +34,15 @@ class MedusaProposer(Proposer):
         (plain decoding) when no tree pays (components/proposer/policy.py); an int = that many;
         None = the file's own choice; min_gain: the predicted speedup a tree must reach under "auto".
         p_min: per step, drafts whose cumulative draft probability
-        (the product of the heads' probabilities along the path) is below it are dropped."""
-        if not isinstance(p_min, (int, float)) or isinstance(p_min, bool) or not 0 <= p_min < 1:
+        (the product of the heads' probabilities along the path) is below it are dropped; None = the
+        tree file's `p_min` (a tree installed from a search carries its own), else 0."""
+        if p_min is not None and (not isinstance(p_min, (int, float)) or isinstance(p_min, bool) or not 0 <= p_min < 1):
             raise UserError(f"proposer.p_min must be a probability in [0, 1), got {p_min}")
         if not (nodes in (None, "auto") or (isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 0)):
             raise UserError(f"proposer.nodes must be auto, null or a draft count >= 0, got {nodes!r}")
         if not isinstance(min_gain, (int, float)) or isinstance(min_gain, bool) or min_gain <= 0:
             raise UserError(f"proposer.min_gain must be a positive speedup, got {min_gain}")
-        self.p_min, self.min_gain, self.policy = float(p_min), float(min_gain), None
+        self.p_min, self.min_gain, self.policy = float(p_min or 0.0), float(min_gain), None
         path = Path(checkpoint) if checkpoint else shipped_checkpoint(backbone.name)
         if checkpoint is None and not path.is_file():
             raise UserError(f"no Medusa heads are shipped for model {backbone.name!r}: train them with "
@@ -59,6 +60,8 @@ class MedusaProposer(Proposer):
             try:
                 found = json.loads(Path(tree_file).read_text())
                 choices = found["choices"]
+                if p_min is None:
+                    self.p_min = float(found.get("p_min", 0.0))
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise UserError(f"tree file {tree_file} is not a tree: it needs a JSON object with \"choices\" "
                                 "(write one with `python -m pipeline.tree_search`)") from None
@@ -93,6 +96,15 @@ class MedusaProposer(Proposer):
         digest = hashlib.sha1(tree_file.read_bytes()).hexdigest()[:12]
         self.policy = size_tree(backbone, order, proposal_ms, digest, self.min_gain)
         return self.policy["choices"]
+
+    @property
+    def tree_spec(self) -> dict:
+        """The tree it verifies (results.json summary "tree"; a search's best one becomes a tree file)."""
+        if self.dynamic:
+            return {"dynamic": True, "width": self.width, "max_nodes": self.max_nodes, "p_min": self.p_min,
+                    "checkpoint": str(self.checkpoint_path)}
+        return {"choices": None if self.tree is None else [list(c) for c in self.tree.choices], "p_min": self.p_min,
+                "checkpoint": str(self.checkpoint_path)}
 
     @property
     def active(self) -> bool:

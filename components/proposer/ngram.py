@@ -31,6 +31,11 @@ class NgramProposer(Proposer):
         self.max_backoff = max_backoff
         self.seqs: dict[int, _Backoff] = {}
 
+    @property
+    def tree_spec(self) -> dict:
+        """The tree shape it drafts (results.json summary "tree")."""
+        return {"width": self.width, "depth": self.depth, "max_nodes": self.max_nodes}
+
     def start(self, seq, prompt_ids) -> None:
         self.seqs[seq] = _Backoff(backoff=min(1, self.max_backoff))
 

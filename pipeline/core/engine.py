@@ -83,6 +83,7 @@ class Engine:
         self.constraint = constraint  # the Grammar every request follows unless it brings its own
         self._pool = None  # a worker thread for constraint masks, made on first use
         self.target = TargetStage(sampler.processors, greedy=sampler.greedy)
+        self.record_trees = False  # keep every verified tree in Generation.trees (pipeline.report draws them)
 
     # --- public ------------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], on_tokens: Callable[[list[int]], None] | None = None,
@@ -236,6 +237,9 @@ class Engine:
                 acc = self.verifier.verify(tree, p.rows(o, o + tree.size), s.generator)
                 path, new = acc.path, acc.tokens
                 kv.commit(s.seq, path)
+                if self.record_trees:
+                    s.gen.trees.append({"step": len(s.gen.accepted_lengths), "tokens": tree.tokens.tolist(),
+                                        "parents": tree.parents.tolist(), "path": [int(i) for i in path]})
             hidden = h[o + torch.tensor(path, device=h.device)] if len(path) > 1 else h[o:o + 1]  # (n, dim) along the path
             if self.proposer is not None:
                 self.proposer.observe(s.seq, new, hidden)

@@ -56,6 +56,9 @@ class Generation:
     beams: list | None = None  # beam search: [(token_ids, score)], best first
     kv_peak_bytes: int = 0  # beam search: the KV pool's peak while the request ran
     kv_copy_per_beam_bytes: int = 0  # ... and what a copy of the prefix per beam would have held
+    # with Engine.record_trees: per tree step {"step": index into accepted_lengths, "tokens", "parents"
+    # (the candidate tree, node 0 the root), "path": the accepted nodes from the root}
+    trees: list = field(default_factory=list)
 
     @property
     def steps(self) -> int:
