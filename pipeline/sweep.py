@@ -1,7 +1,7 @@
 """Sweeps (`python -m pipeline -m decode=tree_ngram tree.width=1,2 tree.depth=1,2`, or `-m sweep=tree_grid`).
 
-A fair baseline: the project's sweepers (hydra_plugins/decode_sweepers) add, first in the sweep, a
-plain greedy job for every context (the overrides that are not speculative settings: model, dtype,
+A fair baseline: the project's sweepers (hydra_plugins/decode_sweepers) add, first and last in the
+sweep, a plain greedy job for every context (the overrides that are not speculative settings: model, dtype,
 prompts, lengths, ...) that has a speculative job and no plain job, so `speedup` is always against
 greedy measured in the same sweep, on the same machine, precision and prompts. A job is plain when
 its composed config has no proposer and no beams (results.json `"plain"`); a hand-composed
@@ -54,13 +54,16 @@ def is_plain(cfg) -> bool:
 
 
 def with_baselines(jobs: list[list[str]], plain) -> list[list[str]]:
-    """`jobs` (override lists) preceded by a greedy job for each context that has a speculative job
-    and no plain job. plain(job) -> bool says whether a job's composed config is plain decoding."""
+    """`jobs` (override lists) bracketed by a greedy job for each context that has a speculative job
+    and no plain job: one before them and one after (a machine whose speed drifts during the sweep
+    moves both; the speedup is over their median). plain(job) -> bool says whether a job's composed
+    config is plain decoding."""
     found: dict[tuple, bool] = {}
     for job in jobs:
         ctx = tuple(context(job))
         found[ctx] = found.get(ctx, False) or plain(job)
-    return [baseline_job(list(ctx)) for ctx, has in found.items() if not has] + [list(j) for j in jobs]
+    bases = [baseline_job(list(ctx)) for ctx, has in found.items() if not has]
+    return bases + [list(j) for j in jobs] + [list(b) for b in bases]
 
 
 def job_dir(num, overrides) -> str:
@@ -101,8 +104,9 @@ def _context(job: dict) -> dict:
 
 
 def rows(jobs: list[dict]) -> tuple[list[str], list[dict]]:
-    """Columns (job, each override key, decode, METRICS) and one row per job. `speedup` is over the
-    median tokens/s of the sweep's plain jobs in the same context, None without one."""
+    """Columns (job, each override key, decode, plain, METRICS) and one row per job. `speedup` is over
+    the median tokens/s of the sweep's plain jobs in the same context (the baseline jobs before and
+    after the others), None without one."""
     keys = list(dict.fromkeys(k for j in jobs for k in j["overrides"]))
     columns = ["job", *keys, *([] if "decode" in keys else ["decode"]), "plain", *METRICS]
     plain = [j for j in jobs if j["plain"] and j["summary"]]

@@ -1,6 +1,7 @@
-"""python -m pipeline.train [heads=medusa] [data=self_distill] [trainer.max_steps=N] [logger=wandb]
+"""python -m pipeline.train [heads=medusa|eagle] [data=self_distill] [trainer.max_steps=N] [logger=wandb]
 
-`train(cfg) -> (metrics, objects)`: self-distillation data, then Medusa heads trained by Lightning on
+`train(cfg) -> (metrics, objects)`: self-distillation data, then draft heads (Medusa heads, or an EAGLE
+draft with heads=eagle) trained by Lightning on
 the frozen backbone. Everything goes into the run directory: checkpoints/ (Lightning, resumable),
 wandb/ (offline unless logger.offline=false), csv/, heads.safetensors (what decoding loads with
 proposer.checkpoint=...), metrics.json and train_config.yaml.
@@ -74,8 +75,9 @@ def main(cfg: DictConfig) -> dict:
     print(json.dumps(metrics, indent=2), file=sys.stderr)
     from pipeline.io import run_dir
     heads = run_dir(cfg) / "heads.safetensors"
-    print(f"heads written to {heads}; decode with them: python -m pipeline decode=tree_medusa "
-          f"proposer.checkpoint={heads} proposer.tree_file=null", file=sys.stderr)
+    how = (f"decode=tree_eagle proposer.checkpoint={heads}" if "eagle" in str(cfg.heads._target_) else
+           f"decode=tree_medusa proposer.checkpoint={heads} proposer.tree_file=null")
+    print(f"heads written to {heads}; decode with them: python -m pipeline {how}", file=sys.stderr)
     return metrics
 
 

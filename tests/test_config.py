@@ -63,27 +63,29 @@ def test_groups_cover_the_contract():
 
 
 @pytest.fixture(scope="module")
-def tiny_heads_checkpoint(tiny_backbone, tmp_path_factory) -> Path | None:
-    """Medusa heads for the tiny backbone, built through the `heads` group (no heads are shipped
-    for it): the extra context proposer=medusa / decode=tree_medusa need on model=tiny. Saved with
-    the metadata pipeline/train.py writes."""
-    if "heads" not in pipeline.cli.groups():
-        return None
-    cfg = compose_config(["model=tiny"], config_name="train")
+def tiny_heads_checkpoint(tiny_backbone, tmp_path_factory) -> dict[str, Path]:
+    """Draft heads for the tiny backbone, one per `heads` option, built through the `heads` group (no
+    heads are shipped for it): the extra context proposer=medusa|eagle and their presets need on
+    model=tiny. Saved with the metadata pipeline/train.py writes."""
+    out = {}
     bb = tiny_backbone
-    heads = component(cfg.heads, bb, token_counts=torch.ones(bb.model.args.vocab_size, dtype=torch.long))
-    path = tmp_path_factory.mktemp("heads") / "heads.safetensors"
-    heads.save(path, {"vocab_size": bb.model.args.vocab_size, "fingerprint": bb.model.fingerprint(),
-                      "backbone": bb.name})
-    return path
+    for kind in pipeline.cli.groups().get("heads", []):
+        cfg = compose_config(["model=tiny", f"heads={kind}"], config_name="train")
+        heads = component(cfg.heads, bb, token_counts=torch.ones(bb.model.args.vocab_size, dtype=torch.long))
+        path = tmp_path_factory.mktemp("heads") / "heads.safetensors"
+        heads.save(path, {"vocab_size": bb.model.args.vocab_size, "fingerprint": bb.model.fingerprint(),
+                          "backbone": bb.name})
+        out[kind] = path
+    return out
 
 
 def with_tiny_context(cfg, heads_ckpt):
     """A proposer that loads a checkpoint shipped only for the real model gets the tiny one."""
     prop = cfg.get("proposer")
-    if prop is not None and "checkpoint" in prop and prop.checkpoint is None and heads_ckpt is not None:
+    if prop is not None and "checkpoint" in prop and prop.checkpoint is None and heads_ckpt:
+        kind = "eagle" if "eagle" in prop._target_ else "medusa"
         with open_dict(cfg):
-            cfg.proposer.checkpoint = str(heads_ckpt)
+            cfg.proposer.checkpoint = str(heads_ckpt[kind])
     return cfg
 
 

@@ -31,21 +31,25 @@ def run_sweep(*args, timeout=300):
 
 
 def test_two_by_two_sweep_measures_its_own_greedy_baseline(tmp_path):
-    """A 2 x 2 tree sweep on model=tiny: the sweeper adds one greedy job, first, in the same sweep;
-    every speedup is over it; job directories are named by their overrides; the heatmaps are drawn."""
+    """A 2 x 2 tree sweep on model=tiny: the sweeper adds a greedy job before and after the others, in
+    the same sweep; every speedup is over their median; job directories are named by their
+    overrides; the heatmaps are drawn."""
     sweep = tmp_path / "sweep"
     run_sweep("model=tiny", "prompt=one two three one two three", "max_new_tokens=12", "stream=false", "seed=3",
               "decode=tree_ngram", "tree.width=1,2", "tree.depth=1,2", f"hydra.sweep.dir={sweep}")
     with open(sweep / "summary.csv") as f:
         table = list(csv.DictReader(f))
-    assert len(table) == 5
-    base, cells = table[0], table[1:]
-    assert base["decode"] == "greedy" and base["plain"] == "True" and base["speedup"] == "1.000"
+    assert len(table) == 6
+    base, cells, last = table[0], table[1:5], table[5]
+    for b in (base, last):
+        assert b["decode"] == "greedy" and b["plain"] == "True"
     assert base["job"] == "0-model=tiny,prompt=one_two_three_one_two_three,max_new_tokens=12,stream=False,decode=greedy"
+    assert last["job"].startswith("5-") and last["job"][2:] == base["job"][2:]
+    reference = (float(base["tokens_per_s"]) + float(last["tokens_per_s"])) / 2
     assert [(r["tree.width"], r["tree.depth"]) for r in cells] == [("1", "1"), ("1", "2"), ("2", "1"), ("2", "2")]
     assert all(r["decode"] == "tree_ngram" and r["plain"] == "False" for r in cells)
-    for r in cells:  # the speedup is over the baseline job of this sweep
-        assert abs(float(r["speedup"]) - float(r["tokens_per_s"]) / float(base["tokens_per_s"])) < 2e-3
+    for r in cells:  # the speedup is over the baseline jobs of this sweep
+        assert abs(float(r["speedup"]) - float(r["tokens_per_s"]) / reference) < 2e-3
         assert "seed" not in r["job"] and f"tree.width={r['tree.width']},tree.depth={r['tree.depth']}" in r["job"]
     baseline = json.loads((sweep / base["job"] / "results.json").read_text())
     assert baseline["config"].get("proposer") is None and baseline["config"]["seed"] == 3  # same context
@@ -62,12 +66,12 @@ def test_hand_composed_speculation_is_never_the_baseline(tmp_path, compose_cfg):
     with open(sweep / "summary.csv") as f:
         table = list(csv.DictReader(f))
     assert [(r["decode"], r["plain"]) for r in table] == [("greedy", "True")] + \
-        [("greedy proposer=ngram verifier=greedy", "False")] * 2
+        [("greedy proposer=ngram verifier=greedy", "False")] * 2 + [("greedy", "True")]
     assert table[0].get("proposer") in (None, "")
     plain = lambda job: is_plain(compose_cfg(job))
     jobs = [["proposer=ngram", "verifier=greedy", "tree.width=1"], ["decode=tree_ngram", "model.dtype=bfloat16"],
             ["decode=greedy", "model.dtype=bfloat16"]]
-    assert with_baselines(jobs, plain) == [["decode=greedy"], *jobs]  # bfloat16 has its plain job already
+    assert with_baselines(jobs, plain) == [["decode=greedy"], *jobs, ["decode=greedy"]]  # bfloat16 has its own
 
 
 def test_optuna_search_runs_trials_and_records_the_best(tmp_path):
@@ -82,7 +86,7 @@ def test_optuna_search_runs_trials_and_records_the_best(tmp_path):
                             "max_nodes": found["best_params"]["tree.max_nodes"]}
     with open(sweep / "summary.csv") as f:
         table = list(csv.DictReader(f))
-    assert len(table) == 4 and table[0]["plain"] == "True"  # the baseline ran first, then 3 trials
+    assert len(table) == 5 and table[0]["plain"] == table[4]["plain"] == "True"  # baseline, 3 trials, baseline
     assert all(r["speedup"] for r in table)
 
 

@@ -1,9 +1,11 @@
-"""LightningDataModule over the self-distillation set: (hidden state, K future targets) pairs."""
+"""LightningDataModule over the self-distillation set: (hidden state, K future targets) pairs for
+Medusa heads, or whole answers (hidden states and tokens, padded per batch) for an EAGLE draft
+(`sequences: true`, set by heads=eagle)."""
 from __future__ import annotations
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from components.data.self_distill import DistillSet, build_self_distill
 
@@ -20,10 +22,35 @@ def head_targets(ds: DistillSet, num_heads: int) -> torch.Tensor:
     return out
 
 
+class Answers(Dataset):
+    """One item per answer: (hidden (n, dim), tokens (n,)); `pad` batches them to the longest."""
+
+    def __init__(self, ds: DistillSet):
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return self.ds.samples
+
+    def __getitem__(self, i: int):
+        a, b = int(self.ds.offsets[i]), int(self.ds.offsets[i + 1])
+        return self.ds.hidden[a:b], self.ds.tokens[a:b]
+
+    @staticmethod
+    def pad(items):
+        """-> hidden (B, T, dim), tokens (B, T) with -100 past each answer's end."""
+        T = max(t.numel() for _, t in items)
+        hidden = torch.zeros(len(items), T, items[0][0].shape[-1], dtype=items[0][0].dtype)
+        tokens = torch.full((len(items), T), -100, dtype=torch.long)
+        for b, (h, t) in enumerate(items):
+            hidden[b, :t.numel()], tokens[b, :t.numel()] = h, t
+        return hidden, tokens
+
+
 class DistillDataModule(L.LightningDataModule):
     def __init__(self, backbone, num_heads: int, max_samples: int = 1600, max_new_tokens: int = 160,
                  gen_batch_size: int = 48, batch_size: int = 256, val_fraction: float = 0.05,
-                 prompt_seed: int = 0, root: str = "outputs/data", chat: bool = True, num_workers: int = 0):
+                 prompt_seed: int = 0, root: str = "outputs/data", chat: bool = True, num_workers: int = 0,
+                 sequences: bool = False, answers_per_batch: int = 16):
         super().__init__()
         if not 0 < val_fraction < 1:
             raise ValueError(f"`data.val_fraction` must be in (0, 1), got {val_fraction}")
@@ -33,6 +60,7 @@ class DistillDataModule(L.LightningDataModule):
         self.gen_kw = dict(max_samples=max_samples, max_new_tokens=max_new_tokens, batch_size=gen_batch_size,
                            prompt_seed=prompt_seed, root=root, chat=chat)
         self.batch_size, self.val_fraction, self.num_workers = batch_size, val_fraction, num_workers
+        self.sequences, self.answers_per_batch = bool(sequences), int(answers_per_batch)
         self.train_set = self.val_set = None
 
     def build(self) -> DistillSet:
@@ -44,13 +72,21 @@ class DistillDataModule(L.LightningDataModule):
     def setup(self, stage=None):
         train, val = self.build().split(self.val_fraction)
         self.train_set, self.val_set = train, val
-        self.train_ds = TensorDataset(train.hidden, head_targets(train, self.num_heads))
-        self.val_ds = TensorDataset(val.hidden, head_targets(val, self.num_heads))
+        if self.sequences:
+            self.train_ds, self.val_ds = Answers(train), Answers(val)
+        else:
+            self.train_ds = TensorDataset(train.hidden, head_targets(train, self.num_heads))
+            self.val_ds = TensorDataset(val.hidden, head_targets(val, self.num_heads))
 
     def train_dataloader(self):
+        if self.sequences:
+            return DataLoader(self.train_ds, batch_size=self.answers_per_batch, shuffle=True,
+                              num_workers=self.num_workers, collate_fn=Answers.pad)
         return DataLoader(self.train_ds, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
 
     def val_dataloader(self):
+        if self.sequences:
+            return DataLoader(self.val_ds, batch_size=64, num_workers=self.num_workers, collate_fn=Answers.pad)
         return DataLoader(self.val_ds, batch_size=1024, num_workers=self.num_workers)
 
     def token_counts(self) -> torch.Tensor:

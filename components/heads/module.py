@@ -1,4 +1,5 @@
-"""The LightningModule that trains Medusa heads on a frozen backbone's hidden states."""
+"""The LightningModules that train draft heads on a frozen backbone's hidden states: Medusa heads
+(k-shifted weighted cross-entropy) and an EAGLE draft (feature regression + cross-entropy)."""
 from __future__ import annotations
 
 import lightning as L
@@ -88,3 +89,63 @@ def warmup_cosine(optimizer, total_steps: int, warmup_steps: int = 50, min_ratio
         t = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class EagleModule(L.LightningModule):
+    """EAGLE-1's loss on whole answers, teacher-forced: at position t the draft reads (f_t, y_{t+1})
+    and predicts f_{t+1}; loss = smooth-L1(f_hat_{t+1}, f_{t+1}) + ce_weight x CE over the draft
+    vocabulary of y_{t+2} from f_hat_{t+1}. A batch holds hidden (B, T, dim) with hidden[:, i] the
+    state that predicts tokens[:, i], and tokens (B, T), -100 past an answer's end. Input features get
+    uniform noise of `noise` x their RMS (the draft reads its own predictions when drafting deeper).
+    Logged: the loss terms, and top-1 / top-5 of y_{t+2} from the predicted feature (the depth-1
+    acceptance a greedy draft would see)."""
+
+    def __init__(self, heads, optimizer, scheduler=None, ce_weight: float = 0.1, noise: float = 0.1):
+        super().__init__()
+        if ce_weight < 0 or noise < 0:
+            raise ValueError(f"`module.ce_weight` and `module.noise` must be >= 0, got {ce_weight}, {noise}")
+        self.heads = heads
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        self.ce_weight, self.noise = float(ce_weight), float(noise)
+        vocab = int(heads.vocab_ids.max()) + 1
+        lookup = torch.full((max(vocab, 1),), -100, dtype=torch.long)
+        lookup[heads.vocab_ids] = torch.arange(heads.vocab_ids.numel())
+        self.register_buffer("to_draft", lookup, persistent=False)
+
+    def step(self, batch, split: str):
+        hidden, tokens = batch
+        hidden = hidden.float()
+        f_in, y_in = hidden[:, :-1], tokens[:, :-1].clamp(min=0)  # (f_t, y_{t+1})
+        f_next, y_next = hidden[:, 1:], tokens[:, 1:]  # f_{t+1} and y_{t+2}, -100 past the end
+        valid = y_next >= 0  # (B, T-1)
+        if self.training and self.noise > 0:
+            rms = f_in.pow(2).mean().sqrt()
+            f_in = f_in + (torch.rand_like(f_in) - 0.5) * 2 * self.noise * rms
+        pred = self.heads(f_in, y_in)  # (B, T-1, dim)
+        n = valid.sum().clamp(min=1)
+        reg = (F.smooth_l1_loss(pred, f_next, reduction="none").mean(-1) * valid).sum() / n
+        logits = self.heads.logits(pred)  # (B, T-1, V')
+        inside = valid & (y_next < self.to_draft.numel())
+        dt = torch.where(inside, self.to_draft[y_next.clamp(0, self.to_draft.numel() - 1)], -100)
+        ce = torch.nan_to_num(F.cross_entropy(logits[dt >= 0], dt[dt >= 0])) if (dt >= 0).any() else logits.sum() * 0
+        loss = reg + self.ce_weight * ce
+        with torch.no_grad():
+            top5 = logits.topk(5, dim=-1).indices
+            hit1 = ((top5[..., 0] == dt) & (dt >= 0)).sum() / n
+            hit5 = ((top5 == dt[..., None]).any(-1) & (dt >= 0)).sum() / n
+        on_step = split == "train"
+        self.log(f"{split}/feature_loss", reg, on_step=on_step, on_epoch=True, sync_dist=True)
+        self.log(f"{split}/ce", ce, on_step=on_step, on_epoch=True, sync_dist=True)
+        self.log(f"{split}/head1_top1", hit1, on_step=False, on_epoch=True, sync_dist=True)
+        self.log(f"{split}/head1_top5", hit5, on_step=False, on_epoch=True, sync_dist=True)
+        self.log(f"{split}/loss", loss, prog_bar=True, on_step=on_step, on_epoch=True, sync_dist=True)
+        return loss
+
+    def training_step(self, batch, batch_idx):
+        return self.step(batch, "train")
+
+    def validation_step(self, batch, batch_idx):
+        self.step(batch, "val")
+
+    def configure_optimizers(self):
+        return MedusaModule.configure_optimizers(self)

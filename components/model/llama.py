@@ -168,6 +168,33 @@ class Block(nn.Module):
         return [getattr(self, n) for n in self.MATRICES]
 
 
+def cached_attention(batch: StepBatch, kv, adt: torch.dtype, gqa: bool):
+    """The `attend(layer, q, k, v)` of a cached step (`Block.forward`): the rows' keys/values go into
+    their sequences' caches in `kv`, and each row attends, in dtype `adt`, to its sequence's cached
+    slots plus what the step's tree mask allows among its rows."""
+    B, T = len(batch.seqs), batch.width
+
+    def attend(layer, q, k, v):  # q: (1, R, nh, hs); k, v: (1, R, nkv, hs)
+        xdt = q.dtype
+        K, V = kv.update(layer, k[0].to(adt), v[0].to(adt), batch)  # (B, nkv, S, hs): cached + these rows
+        q = q.to(adt)
+        if B == 1:
+            qb = q.transpose(1, 2)  # (1, nh, R, hs)
+        else:  # rows -> the padded (B, T) layout
+            qb = q.new_zeros(B * T, *q.shape[2:])
+            qb[batch.row_index] = q[0]
+            qb = qb.view(B, T, *q.shape[2:]).transpose(1, 2)  # (B, nh, T, hs)
+        if batch.causal:  # a prompt on an empty cache: the fused causal kernel
+            y = F.scaled_dot_product_attention(qb, K, V, is_causal=True, enable_gqa=gqa)
+        elif T > 64:
+            y = F.scaled_dot_product_attention(qb, K, V, attn_mask=batch.bias, enable_gqa=gqa)
+        else:
+            y = attention(qb, K, V, batch.bias)
+        y = y.transpose(1, 2).reshape(B * T, -1).to(xdt)  # (B T, nh hs)
+        return (y if B == 1 else y[batch.row_index])[None]  # (1, R, nh hs)
+    return attend
+
+
 class Transformer(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
@@ -240,29 +267,7 @@ class Transformer(nn.Module):
         batch = batch.to(self.device)
         x = self.tok_embeddings(batch.tokens)[None]  # (1, R, dim): every row of every sequence
         cos, sin = self.rope(batch.positions[None], x.dtype)
-        B, T, R = len(batch.seqs), batch.width, batch.rows
-        gqa = self.args.n_kv_heads != self.args.n_heads
-
-        adt, xdt = self.attn_dtype, x.dtype
-
-        def attend(layer, q, k, v):  # q: (1, R, nh, hs); k, v: (1, R, nkv, hs)
-            K, V = kv.update(layer, k[0].to(adt), v[0].to(adt), batch)  # (B, nkv, S, hs): cached + these rows
-            q = q.to(adt)
-            if B == 1:
-                qb = q.transpose(1, 2)  # (1, nh, R, hs)
-            else:  # rows -> the padded (B, T) layout
-                qb = q.new_zeros(B * T, *q.shape[2:])
-                qb[batch.row_index] = q[0]
-                qb = qb.view(B, T, *q.shape[2:]).transpose(1, 2)  # (B, nh, T, hs)
-            if batch.causal:  # a prompt on an empty cache: the fused causal kernel
-                y = F.scaled_dot_product_attention(qb, K, V, is_causal=True, enable_gqa=gqa)
-            elif T > 64:
-                y = F.scaled_dot_product_attention(qb, K, V, attn_mask=batch.bias, enable_gqa=gqa)
-            else:
-                y = attention(qb, K, V, batch.bias)
-            y = y.transpose(1, 2).reshape(B * T, -1).to(xdt)  # (B T, nh hs)
-            return (y if B == 1 else y[batch.row_index])[None]  # (1, R, nh hs)
-
+        attend = cached_attention(batch, kv, self.attn_dtype, self.args.n_kv_heads != self.args.n_heads)
         kv.begin_step(batch)
         for i in (range(len(self.layers)) if layers is None else layers):
             x = self.layers[i](x, cos, sin, attend)

@@ -1,11 +1,12 @@
 """Hydra sweepers that give every sweep its fair baseline (Hydra finds plugins only under the
 `hydra_plugins` namespace; the logic lives in pipeline/sweep.py).
 
-- `BaselineSweeper` (hydra/sweeper=baseline, the project's default): Hydra's basic grid sweeper,
-  plus, first in the sweep, one plain greedy job for every context (the overrides that are not
-  speculative settings: model, dtype, prompts, ...) that has a speculative job and no plain job.
-- `TreeSearchSweeper` (sweep=tree_search / ngram_search): Hydra's Optuna
-  sweeper, plus the same baseline job launched first, and, at the end, best.json: the best trial's
+- `BaselineSweeper` (the project's default `hydra.sweeper`, conf/config.yaml): Hydra's basic grid
+  sweeper, plus one plain greedy job before and one after the others for every context (the
+  overrides that are not speculative settings: model, dtype, prompts, ...) that has a speculative
+  job and no plain job.
+- `TreeSearchSweeper` (sweep=tree_search / ngram_search): Hydra's Optuna sweeper, plus the same
+  baseline job launched before and after the trials, and, at the end, best.json: the best trial's
   overrides, tokens/s, speedup over the baseline and the tree it verified (installable as a
   proposer's tree file).
 """
@@ -44,5 +45,7 @@ if OptunaSweeper is not None:
             import optuna
             optuna.logging.set_verbosity(optuna.logging.WARNING)  # its per-trial lines: summary.md has them
             out = super().sweep(arguments)
+            impl.launcher.launch([baseline], initial_job_idx=impl.job_idx)  # and last: drift moves both
+            impl.job_idx += 1
             _sweep.write_best(impl.config.hydra.sweep.dir)
             return out

@@ -1,0 +1,204 @@
+"""EAGLE proposer: an EAGLE draft (components/heads/eagle.py) grows a dynamic tree per step (EAGLE-2).
+
+The draft keeps its own KV cache, one sequence of a small KV pool per decoding sequence, holding one
+slot per committed answer position (no prompt context, as it was trained). Each step, for every live
+sequence at once (one packed draft forward per depth, `StepBatch` as in the target):
+
+1. the committed pairs (f_t, y_{t+1}) not yet seen, with the target's true features, go into the
+   draft cache; the last row's output is the predicted feature of the root, whose LM-head
+   distribution gives the depth-1 candidates (top `width`);
+2. depth by depth, the `width` nodes of the newest depth with the best cumulative draft
+   log-probability are expanded: the draft reads (predicted feature of the parent, node token) with
+   the tree mask over the expanded nodes (their ancestors) and proposes each one's top `width`
+   children;
+3. all candidates are re-ranked by cumulative log-probability and the best `max_nodes` form the
+   tree (a child never scores above its parent, so the kept set is a tree); nodes below `p_min`
+   are dropped. The draft's tentative slots are discarded.
+
+Verification is the target's (any verifier). Drafts are deterministic (top-k), so exact
+speculative sampling treats them as one-hot q.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from pathlib import Path
+
+import torch
+
+from components.heads.eagle import EagleDraft
+from pipeline.core import DecodeState, Proposer, StepBatch, Tree, UserError
+
+SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "checkpoints"
+
+
+def shipped_draft(backbone_name: str) -> Path:
+    return SHIPPED / backbone_name / "eagle.safetensors"
+
+
+class _Seq:
+    def __init__(self, dseq: int):
+        self.dseq = dseq
+        self.feats: list[torch.Tensor] = []  # committed pairs not yet in the draft cache
+        self.tokens: list[int] = []
+        self.fresh = True  # the next observe is the prompt's: keep only its last pair
+
+
+class EagleProposer(Proposer):
+    sampled = False
+
+    def __init__(self, backbone, checkpoint: str | None = None, width: int = 6, depth: int = 5,
+                 max_nodes: int = 24, p_min: float = 0.0):
+        for name, v in (("width", width), ("depth", depth), ("max_nodes", max_nodes)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise UserError(f"proposer.{name} (tree.{name}) must be a positive int, got {v}")
+        if not isinstance(p_min, (int, float)) or isinstance(p_min, bool) or not 0 <= p_min < 1:
+            raise UserError(f"proposer.p_min must be a probability in [0, 1), got {p_min}")
+        path = Path(checkpoint) if checkpoint else shipped_draft(backbone.name)
+        if checkpoint is None and not path.is_file():
+            raise UserError(f"no EAGLE draft is shipped for model {backbone.name!r}: train one with "
+                            "`python -m pipeline.train heads=eagle` and pass proposer.checkpoint=<run dir>/heads.safetensors")
+        self.draft = EagleDraft.load(path, backbone)
+        self.checkpoint_path = path
+        self.width, self.depth, self.max_nodes, self.p_min = width, depth, max_nodes, float(p_min)
+        from components.kv.contiguous import ContiguousKV
+        a = self.draft.args
+        self.kv = ContiguousKV(None, 256, 1, a.n_kv_heads, a.head_dim, torch.float32, device=backbone.model.device)
+        self.seqs: dict[int, _Seq] = {}
+        self.policy = None
+
+    @property
+    def tree_spec(self) -> dict:
+        return {"dynamic": True, "width": self.width, "depth": self.depth, "max_nodes": self.max_nodes,
+                "p_min": self.p_min, "checkpoint": str(self.checkpoint_path)}
+
+    # --- sequences -------------------------------------------------------------------------------
+    def start(self, seq: int, prompt_ids: list[int]) -> None:
+        self.release(seq)
+        self.seqs[seq] = _Seq(self.kv.create())
+
+    def observe(self, seq: int, tokens: list[int], hidden: torch.Tensor) -> None:
+        s = self.seqs.get(seq)
+        if s is None or not tokens:
+            return
+        if s.fresh:  # prefill: the prompt's positions are not the draft's context, only the first answer pair
+            tokens, hidden = tokens[-1:], hidden[-1:]
+            s.fresh = False
+        s.feats.append(hidden[:len(tokens)].float())
+        s.tokens += list(tokens)
+
+    def release(self, seq: int) -> None:
+        s = self.seqs.pop(seq, None)
+        if s is not None:
+            self.kv.free(s.dseq)
+
+    # --- drafting ---------------------------------------------------------------------------------
+    def propose(self, state: DecodeState) -> Tree | None:
+        return self.propose_all([state])[0]
+
+    @torch.inference_mode()
+    def propose_all(self, states: list[DecodeState]) -> list[Tree | None]:
+        live = [(st, self.seqs[st.seq]) for st in states if st.seq in self.seqs and self.seqs[st.seq].tokens]
+        out: dict[int, Tree | None] = {st.seq: None for st in states}
+        if not live:
+            return [None] * len(states)
+        # 1. committed pairs -> the draft cache; the last row predicts the root's feature
+        kv, draft = self.kv, self.draft
+        batch = StepBatch.build([s.dseq for _, s in live], [torch.tensor(s.tokens) for _, s in live],
+                                [None] * len(live), [None] * len(live), [kv.used(s.dseq) for _, s in live])
+        f = draft.step(batch, kv, torch.cat([torch.cat(s.feats) for _, s in live]))
+        roots = f[[o - 1 for o in batch.offsets[1:]]]  # (B, dim)
+        for _, s in live:
+            kv.commit(s.dseq)
+            s.feats, s.tokens = [], []
+        logp = torch.log_softmax(draft.logits(roots), dim=-1)  # (B, V')
+        # per sequence: nodes as (token, parent node, depth, cumulative log p, feature of the parent)
+        trees = []
+        for b, (st, s) in enumerate(live):
+            depth = min(self.depth, st.budget - 1)
+            trees.append(_Growing(depth))
+            if depth >= 1:
+                trees[-1].add_children(0, logp[b], self.width, draft.vocab_ids, roots[b])
+        # 2. expand the best `width` nodes of the newest depth, all sequences in one draft forward
+        for d in range(2, self.depth + 1):
+            grow = [(b, t) for b, t in enumerate(trees) if t.depth >= d and t.frontier(d - 1)]
+            if not grow:
+                break
+            rows, picks = [], []
+            for b, t in grow:
+                pick = heapq.nlargest(self.width, t.frontier(d - 1), key=lambda n: t.score[n])
+                t.expanded += pick
+                picks.append(pick)
+                nodes = t.expanded
+                index = {n: i for i, n in enumerate(nodes)}
+                mask = torch.zeros(len(nodes), len(nodes), dtype=torch.bool)
+                for i, n in enumerate(nodes):
+                    a = n
+                    while a != 0:
+                        mask[i, index[a]] = True
+                        a = t.parent[a]
+                rows.append((torch.tensor([t.token[n] for n in nodes]), torch.tensor([t.depth_of[n] - 1 for n in nodes]),
+                             mask, torch.stack([t.parent_feat[n] for n in nodes])))
+            seqs = [live[b][1].dseq for b, _ in grow]
+            batch = StepBatch.build(seqs, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                                    [kv.used(q) for q in seqs])
+            f = draft.step(batch, kv, torch.cat([r[3] for r in rows]))
+            for q in seqs:
+                kv.discard(q)
+            new_rows, owners = [], []
+            for (b, t), pick, off in zip(grow, picks, batch.offsets):
+                at = {n: i for i, n in enumerate(t.expanded)}
+                for n in pick:
+                    new_rows.append(f[off + at[n]])
+                    owners.append((t, n))
+            feats = torch.stack(new_rows)
+            lp = torch.log_softmax(draft.logits(feats), dim=-1)
+            for (t, n), row, feat in zip(owners, lp, feats):
+                t.add_children(n, row, self.width, draft.vocab_ids, feat)
+        # 3. the best max_nodes candidates by cumulative log-probability
+        floor = math.log(self.p_min) if self.p_min > 0 else -math.inf
+        for (st, s), t in zip(live, trees):
+            out[st.seq] = t.tree(st.tokens[-1], self.max_nodes, floor)
+        return [out[st.seq] for st in states]
+
+
+class _Growing:
+    """A draft tree being grown: node 0 is the root."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.token, self.parent, self.depth_of, self.score = [-1], [-1], [0], [0.0]
+        self.parent_feat: list[torch.Tensor | None] = [None]  # the predicted feature a node's row reads
+        self.by_depth: dict[int, list[int]] = {}
+        self.expanded: list[int] = []
+
+    def frontier(self, d: int) -> list[int]:
+        return self.by_depth.get(d, [])
+
+    def add_children(self, parent: int, logp: torch.Tensor, k: int, vocab_ids: torch.Tensor, feat: torch.Tensor):
+        top = logp.topk(k)
+        d = self.depth_of[parent] + 1
+        for v, i in zip(top.values.tolist(), top.indices.tolist()):
+            n = len(self.token)
+            self.token.append(int(vocab_ids[i]))
+            self.parent.append(parent)
+            self.depth_of.append(d)
+            self.score.append(self.score[parent] + v)
+            self.parent_feat.append(feat)
+            self.by_depth.setdefault(d, []).append(n)
+
+    def tree(self, root: int, max_nodes: int, floor: float) -> Tree | None:
+        cands = [n for n in range(1, len(self.token)) if self.score[n] >= floor]
+        keep = set(sorted(cands, key=lambda n: (-self.score[n], self.depth_of[n], n))[:max_nodes])
+        keep = {n for n in keep if all(a in keep or a == 0 for a in self._ancestors(n))}
+        if not keep:
+            return None
+        order = sorted(keep, key=lambda n: (self.depth_of[n], n))
+        index = {0: 0, **{n: i + 1 for i, n in enumerate(order)}}
+        return Tree.from_parents([root] + [self.token[n] for n in order], [-1] + [index[self.parent[n]] for n in order])
+
+    def _ancestors(self, n: int):
+        a = self.parent[n]
+        while a > 0:
+            yield a
+            a = self.parent[a]

@@ -1,0 +1,114 @@
+"""EAGLE drafts: training through `python -m pipeline.train heads=eagle` on the tiny model, strict
+checkpoints, the cached draft step equal to its training forward, best-first dynamic trees, and
+tree_eagle lossless against greedy (batched too) with no draft-cache leak."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from components.heads.eagle import EagleDraft, build_eagle
+from components.proposer.eagle import EagleProposer, _Growing
+from pipeline.core import StepBatch
+from pipeline.errors import UserError
+from tests.conftest import compose_config
+
+TRAIN = ["model=tiny", "heads=eagle", "data.max_samples=24", "data.max_new_tokens=16", "data.gen_batch_size=12",
+         "data.answers_per_batch=4", "heads.draft_vocab=null", "~logger"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from pipeline.train import train
+    root = tmp_path_factory.mktemp("eagle")
+    cfg = compose_config([*TRAIN, "trainer.max_steps=8", f"data.root={root / 'data'}"], config_name="train",
+                         output_dir=root / "run")
+    metrics, objs = train(cfg)
+    return root / "run" / "heads.safetensors", metrics, objs
+
+
+def test_training_writes_a_draft_and_its_metrics(trained):
+    path, metrics, objs = trained
+    assert path.is_file() and isinstance(objs["heads"], EagleDraft)
+    for k in ("val/feature_loss", "val/ce", "val/head1_top1", "val/head1_top5", "val/loss"):
+        assert k in metrics
+    assert metrics["steps"] == 8 and metrics["train_tokens"] > 0
+
+
+def test_checkpoints_load_strictly(trained, tiny_backbone, tmp_path):
+    from safetensors.torch import load_file, save_file
+    from components.model.load import tiny
+    path, _, _ = trained
+    draft = EagleDraft.load(path, tiny_backbone)
+    assert not draft.training
+    tensors = load_file(str(path))
+    with open(path, "rb") as f:  # the same header, one tensor missing
+        import json
+        import struct
+        n = struct.unpack("<Q", f.read(8))[0]
+        meta = json.loads(f.read(n))["__metadata__"]
+    broken = tmp_path / "broken.safetensors"
+    save_file({k: v for k, v in tensors.items() if k != "block.w2.weight"}, str(broken), metadata=meta)
+    with pytest.raises(UserError, match="block.w2.weight"):
+        EagleDraft.load(broken, tiny_backbone)
+    with pytest.raises(UserError, match="another backbone"):
+        EagleDraft.load(path, tiny(seed=1))
+    with pytest.raises(UserError, match="hidden size"):
+        EagleDraft.load(path, tiny(dim=32, n_heads=2, n_kv_heads=1))
+    with pytest.raises(UserError, match="does not exist"):
+        EagleDraft.load(tmp_path / "none.safetensors", tiny_backbone)
+
+
+def test_medusa_checkpoint_is_refused_as_a_draft(tiny_backbone, tmp_path):
+    from components.heads.medusa import build_heads
+    bb = tiny_backbone
+    heads = build_heads(bb, torch.ones(bb.model.args.vocab_size, dtype=torch.long), draft_vocab=None)
+    path = heads.save(tmp_path / "heads.safetensors", {"vocab_size": bb.model.args.vocab_size})
+    with pytest.raises(UserError, match="Medusa head checkpoint"):
+        EagleDraft.load(path, bb)
+
+
+def test_cached_step_equals_the_training_forward(tiny_backbone):
+    """The decoding path (own KV pool, packed rows, two calls) gives the training forward's features."""
+    from components.kv.contiguous import ContiguousKV
+    torch.manual_seed(0)
+    bb = tiny_backbone
+    draft = build_eagle(bb, torch.ones(bb.model.args.vocab_size, dtype=torch.long), draft_vocab=None).eval()
+    feats, toks = torch.randn(1, 7, bb.model.args.dim), torch.randint(0, 1000, (1, 7))
+    with torch.no_grad():
+        ref = draft(feats, toks)[0]
+    a = draft.args
+    kv = ContiguousKV(None, 16, 1, a.n_kv_heads, a.head_dim, torch.float32)
+    seq = kv.create()
+    outs = []
+    for lo, hi in ((0, 4), (4, 7)):
+        batch = StepBatch.build([seq], [toks[0, lo:hi]], [None], [None], [kv.used(seq)])
+        outs.append(draft.step(batch, kv, feats[0, lo:hi]))
+        kv.commit(seq)
+    torch.testing.assert_close(torch.cat(outs), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_dynamic_tree_keeps_the_best_candidates_as_a_tree():
+    g = _Growing(depth=3)
+    g.add_children(0, torch.log(torch.tensor([0.6, 0.3, 0.1])), 3, torch.tensor([10, 11, 12]), torch.zeros(2))
+    g.add_children(1, torch.log(torch.tensor([0.9, 0.1, 0.0])), 2, torch.tensor([20, 21, 22]), torch.zeros(2))
+    tree = g.tree(root=5, max_nodes=3, floor=-1e9)  # scores: 10:.6, 20:.54, 11:.3, 21:.06, 12:.1
+    assert tree.tokens.tolist() == [5, 10, 11, 20] and tree.parents.tolist() == [-1, 0, 0, 1]
+    assert g.tree(root=5, max_nodes=8, floor=torch.log(torch.tensor(0.5)).item()).tokens.tolist() == [5, 10, 20]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_tree_eagle_is_lossless_and_frees_its_cache(trained, tiny_backbone, tmp_path, batch):
+    from pipeline.decode import decode
+    path, _, _ = trained
+    cfg = compose_config(["decode=tree_eagle", "model=tiny", f"proposer.checkpoint={path}", "tree.width=3",
+                          "tree.depth=4", "tree.max_nodes=10", "max_new_tokens=32", "stream=false",
+                          f"batch_size={batch}", "verify_lossless=true", "chat=false"], output_dir=tmp_path,
+                         input=str(tmp_path / "in.jsonl"))
+    prompts = ["one two three one two three", "hello there", "the cat sat on the mat, the cat", "a b a b a b"]
+    (tmp_path / "in.jsonl").write_text("".join(f'{{"id": "r{i}", "prompt": "{p}"}}\n' for i, p in enumerate(prompts)))
+    metrics, objs = decode(cfg, tiny_backbone)
+    assert metrics["lossless"], [it.get("first_divergence") for it in objs["results"]["items"]]
+    assert metrics["tree_steps"] > 0  # the draft did propose trees
+    engine = objs["engine"]
+    assert isinstance(engine.proposer, EagleProposer) and not engine.proposer.kv.sequences
+    assert objs["results"]["summary"]["tree"]["dynamic"]
