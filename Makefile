@@ -37,7 +37,7 @@ peers: setup
 gpu-check: setup
 	$(PY) scripts/gpu_check.py
 
-# Re-train the heads shipped for the default model (self-distillation data, Lightning job, tree
+# Re-train the drafts shipped for the default model (self-distillation data, Lightning jobs, tree
 # search on this machine), then copy them into the package. See components/heads/checkpoints/.
 SHIP := components/heads/checkpoints/smollm2_135m
 heads: setup
@@ -45,6 +45,10 @@ heads: setup
 	mkdir -p $(SHIP)
 	cp outputs/train/shipped/heads.safetensors outputs/train/shipped/metrics.json outputs/train/shipped/train_config.yaml $(SHIP)/
 	$(PY) -m pipeline.tree_search search.install=true hydra.run.dir=outputs/tree_search/shipped
+	$(PY) -m pipeline.train heads=eagle trainer.max_steps=1500 checkpoint_every=100 hydra.run.dir=outputs/train/shipped_eagle
+	cp outputs/train/shipped_eagle/heads.safetensors $(SHIP)/eagle.safetensors
+	cp outputs/train/shipped_eagle/metrics.json $(SHIP)/eagle_metrics.json
+	cp outputs/train/shipped_eagle/train_config.yaml $(SHIP)/eagle_train_config.yaml
 
 clean:
 	rm -rf .venv outputs/runs outputs/multirun

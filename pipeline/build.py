@@ -101,16 +101,22 @@ def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -
             diversity_penalty=cfg.get("diversity_penalty", 0.0), seed=int(cfg.seed), batch_size=batch,
             constraint=component(constraint_node(cfg), backbone) if with_constraint else None)
         return engine, backbone
+    proposer = component(cfg.get("proposer"), backbone)
+    guard = None
+    if proposer is not None and cfg.get("speculation_guard", True):
+        from pipeline.core.guard import SpeculationGuard
+        guard = SpeculationGuard()
     engine = Engine(
         model=backbone.model,
         kv=component(cfg.kv, backbone),
         sampler=component(cfg.sampler, backbone),
         eos_ids=backbone.eos_ids,
         max_new_tokens=mnt,
-        proposer=component(cfg.get("proposer"), backbone),
+        proposer=proposer,
         verifier=component(cfg.get("verifier"), backbone),
         seed=int(cfg.seed),
         batch_size=batch,
         constraint=component(constraint_node(cfg), backbone) if with_constraint else None,
+        guard=guard,
     )
     return engine, backbone

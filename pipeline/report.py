@@ -99,7 +99,7 @@ def token_steps(item: dict) -> list[int]:
     return out[:len(item["token_ids"])]
 
 
-def draw_strip(item: dict, path: Path, max_tokens: int = 400, columns: int = 90) -> list[Path]:
+def draw_strip(item: dict, path: Path, max_tokens: int = 400, columns: int = 140) -> list[Path]:
     """The text as committed, token by token, shaded by the accepted length of the token's step."""
     from matplotlib import colormaps
     from matplotlib.colors import Normalize
@@ -121,7 +121,7 @@ def draw_strip(item: dict, path: Path, max_tokens: int = 400, columns: int = 90)
     ax = fig.subplots()
     for x, line, label, n, first in cells:
         ax.add_patch(_rect(x, line, len(label), cmap(0.15 + 0.85 * norm(n))))
-        ax.text(x + len(label) / 2, line, label, ha="center", va="center", fontsize=7, family="monospace",
+        ax.text(x + len(label) / 2, line, label, ha="center", va="center", fontsize=8, family="monospace",
                 color="white" if norm(n) > 0.6 else "black")
         if first:
             ax.plot([x, x], [line - 0.45, line + 0.45], color="#333333", lw=0.8)

@@ -115,8 +115,10 @@ class EagleDraft(nn.Module):
 
     # --- checkpoints: safetensors only, loaded strictly --------------------------------------------
     def save(self, path: str | Path, meta: dict) -> Path:
+        """Weights in bfloat16 (half the file; a draft's rounding only moves acceptance, never tokens)."""
         path = Path(path)
-        tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items() if k != "lm_weight"}
+        tensors = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).contiguous()
+                   for k, v in self.state_dict().items() if k != "lm_weight"}
         info = {"format": FORMAT, "dim": self.dim, "kind": "eagle", **meta}
         return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"eagle": json.dumps(info)}))
 

@@ -64,7 +64,7 @@ class Engine:
     matmuls, see the README) and sampling is seeded per request."""
 
     def __init__(self, model, kv, sampler, eos_ids: list[int], max_new_tokens: int, proposer=None,
-                 verifier=None, seed: int = 0, batch_size: int = 1, constraint=None):
+                 verifier=None, seed: int = 0, batch_size: int = 1, constraint=None, guard=None):
         for name, v in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise UserError(f"{name} must be a positive int, got {v}")
@@ -84,6 +84,7 @@ class Engine:
         self._pool = None  # a worker thread for constraint masks, made on first use
         self.target = TargetStage(sampler.processors, greedy=sampler.greedy)
         self.record_trees = False  # keep every verified tree in Generation.trees (pipeline.report draws them)
+        self.guard = guard  # a SpeculationGuard: pauses drafting while it does not pay (None: always draft)
 
     # --- public ------------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], on_tokens: Callable[[list[int]], None] | None = None,
@@ -105,6 +106,8 @@ class Engine:
         check_prompts(prompts, self.model.args.max_seq_len)
         seeds = [self.seed + i for i in range(len(prompts))] if seeds is None else list(seeds)
         self._grammars = request_grammars(grammars, self.constraint, len(prompts))
+        if self.guard is not None:
+            self.guard.reset()
         queue, live = deque(range(len(prompts))), []
         out: list[Generation | None] = [None] * len(prompts)
         try:
@@ -190,7 +193,8 @@ class Engine:
         model, kv = self.model, self.kv
         rank = {seq: r for r, seq in enumerate(kv.batch_order([s.seq for s in live]))}
         live = sorted(live, key=lambda s: rank[s.seq])
-        drafted = [s for s in live if self.proposer is not None and self._budget(s) > 1]
+        speculate = self.proposer is not None and (self.guard is None or self.guard.speculate())
+        drafted = [s for s in live if speculate and self._budget(s) > 1]
         proposals = dict(zip((s.seq for s in drafted), self.proposer.propose_all(
             [DecodeState(s.seq, s.tokens, s.hidden, model, kv, self._budget(s), s.generator) for s in drafted])
             if drafted else []))
@@ -246,6 +250,8 @@ class Engine:
             s.hidden = hidden[-1]
             committed.append((new, hidden))
         ms = (time.perf_counter() - t) * 1e3
+        if self.guard is not None and self.proposer is not None:
+            self.guard.record(any(tr.size > 1 for tr in trees), sum(len(new) for new, _ in committed), ms)
         for s, tree, (new, hidden) in zip(live, trees, committed):
             s.gen.step_ms.append(ms)
             s.gen.step_nodes.append(tree.size)
