@@ -30,6 +30,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
 
     out = run_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
+    quiet_lightning(out / "train.log")
     L.seed_everything(int(cfg.seed), workers=True)
     backbone = component(cfg.model)
     data = component(cfg.data, backbone, num_heads=cfg.heads.num_heads)
@@ -66,6 +67,23 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         write_json(out / "metrics.json", metrics)
         (out / "train_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     return metrics, {"heads": heads, "module": module, "trainer": trainer, "data": data, "backbone": backbone}
+
+
+def quiet_lightning(path) -> None:
+    """Lightning's banners and tips (accelerator lines, model summaries, "consider increasing
+    num_workers") go to <run dir>/train.log, not the terminal: what the job says there is its
+    progress bar and its last line."""
+    import logging
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
+        log = logging.getLogger(name)
+        for h in list(log.handlers):  # their own terminal handlers, or an earlier run's file
+            log.removeHandler(h)
+        log.addHandler(handler)
+        log.propagate = False
+    import warnings
+    warnings.filterwarnings("ignore", message=".*(num_workers|log_every_n_steps|LeafSpec).*")
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")

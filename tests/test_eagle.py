@@ -112,3 +112,12 @@ def test_tree_eagle_is_lossless_and_frees_its_cache(trained, tiny_backbone, tmp_
     engine = objs["engine"]
     assert isinstance(engine.proposer, EagleProposer) and not engine.proposer.kv.sequences
     assert objs["results"]["summary"]["tree"]["dynamic"]
+
+
+def test_training_prompts_stay_apart_from_benchmark_prompts_by_similarity():
+    from components.data.prompts import _pool, available_prompts, similar, training_prompts
+    assert similar("Define the word 'photosynthesis'.")  # a paraphrase of a benchmark prompt
+    assert not similar("Write a haiku about a lighthouse at dawn in winter.")
+    pool = sum(len(g) for g in _pool())
+    assert 0 < pool - available_prompts() < pool // 10
+    assert not any(similar(p) for p in training_prompts(3000))

@@ -4,18 +4,57 @@
 lists, comparisons, how-to steps, Python coding tasks, arithmetic word problems, definitions,
 advice, rewrite/summary tasks, trivia, ...). The pool is fixed: prompts.json.gz holds it as a list
 of groups (one per instruction template), generated once from the former template code (~100
-templates filled from a few hundred topics and objects, pool seed 1234). Prompts identical to the
-held-out evaluation prompts in pipeline/prompts/*.jsonl were excluded when generating it. `seed`
-only decides the order, which interleaves the groups so any prefix is varied.
+templates filled from a few hundred topics and objects, pool seed 1234). `seed` only decides the
+order, which interleaves the groups so any prefix is varied.
+
+Kept apart from every benchmark prompt file (pipeline/prompts/*.jsonl) by similarity, not only by
+exact string: a training prompt is left out when `similar` finds a benchmark prompt sharing at
+least SIMILARITY of the smaller one's normalised word trigrams (lower case, words and numbers only),
+which catches paraphrases ("Define the word 'photosynthesis'." against "Define the word
+photosynthesis in one or two sentences.") and shared templates.
 """
 
+import collections
 import functools
 import gzip
 import json
 import random
+import re
 from pathlib import Path
 
 _POOL_FILE = Path(__file__).with_name("prompts.json.gz")
+BENCH_DIR = Path(__file__).resolve().parent.parent.parent / "pipeline" / "prompts"
+SIMILARITY = 0.5  # trigram containment at which a training prompt counts as a benchmark prompt's near copy
+FILTER = f"trigram-containment>={SIMILARITY}"  # recorded in the data config: another filter, another data set
+
+
+def trigrams(text: str) -> set[tuple[str, ...]]:
+    words = re.findall(r"[a-z0-9]+", text.lower())
+    return {tuple(words[i:i + 3]) for i in range(len(words) - 2)} or ({tuple(words)} if words else set())
+
+
+@functools.lru_cache(maxsize=1)
+def _benchmark() -> tuple[list[set], dict]:
+    texts = []
+    for f in sorted(BENCH_DIR.glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                texts.append(r.get("prompt") or " ".join(m.get("content", "") for m in r.get("messages") or []))
+    grams = [trigrams(t) for t in texts]
+    index = collections.defaultdict(list)
+    for k, g in enumerate(grams):
+        for x in g:
+            index[x].append(k)
+    return grams, index
+
+
+def similar(prompt: str, threshold: float = SIMILARITY) -> bool:
+    """Whether a benchmark prompt shares >= threshold of the smaller one's trigrams with `prompt`."""
+    grams, index = _benchmark()
+    mine = trigrams(prompt)
+    shared = collections.Counter(k for x in mine for k in index.get(x, ()))
+    return any(n / max(1, min(len(mine), len(grams[k]))) >= threshold for k, n in shared.items())
 
 
 @functools.lru_cache(maxsize=1)
@@ -24,9 +63,15 @@ def _pool() -> tuple[tuple[str, ...], ...]:
         return tuple(tuple(group) for group in json.load(f))
 
 
+@functools.lru_cache(maxsize=1)
+def _kept() -> tuple[tuple[str, ...], ...]:
+    """The pool without the prompts similar to a benchmark prompt."""
+    return tuple(tuple(p for p in group if not similar(p)) for group in _pool())
+
+
 def available_prompts() -> int:
     """How many distinct training prompts `training_prompts` can return."""
-    return sum(len(g) for g in _pool())
+    return sum(len(g) for g in _kept())
 
 
 def training_prompts(n: int, seed: int = 0) -> list[str]:
@@ -39,7 +84,7 @@ def training_prompts(n: int, seed: int = 0) -> list[str]:
         raise ValueError(f"requested {n} training prompts but only {total} distinct prompts are available")
     rng = random.Random(seed)
     keyed = []
-    for group in _pool():
+    for group in _kept():
         items = list(group)
         rng.shuffle(items)
         keyed.extend((i + rng.random(), p) for i, p in enumerate(items))

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from components.data.prompts import training_prompts
+from components.data.prompts import FILTER, training_prompts
 from pipeline.core import Engine, atomic_write, encode_chat
 
 
@@ -76,7 +76,8 @@ def build_self_distill(backbone, max_samples: int = 2000, max_new_tokens: int = 
             raise ValueError(f"`data.{name}` must be a positive int, got {v}")
     config = {"model": backbone.name, "fingerprint": backbone.model.fingerprint(), "precision": backbone.precision,
               "max_samples": max_samples,
-              "max_new_tokens": max_new_tokens, "prompt_seed": prompt_seed, "chat": chat, "decoding": "greedy"}
+              "max_new_tokens": max_new_tokens, "prompt_seed": prompt_seed, "chat": chat, "decoding": "greedy",
+              "prompt_filter": FILTER}
     out = data_dir(root, config)
     final = out / "data.safetensors"
     if final.is_file():
