@@ -9,6 +9,7 @@ import json
 import subprocess
 
 import pytest
+import torch
 import yaml
 from conftest import PYTHON, REPO_ROOT, subprocess_env
 
@@ -145,12 +146,15 @@ def test_thread_share_and_job_names(monkeypatch):
     assert len(long) < 140 and long.startswith("0-prompt=xxx")
 
 
-def fake_job(root, n, overrides, decode, tps, mal=1.0, tree_ms=None):
+def fake_job(root, n, overrides, decode, tps, mal=1.0, tree_ms=None, tree=None, plain=None):
     d = root / str(n)
     (d / ".hydra").mkdir(parents=True)
     (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     summary = {"tokens_per_s": tps, "mean_accepted_length": mal, "tree_step_ms": tree_ms, "plain_step_ms": 10.0}
-    (d / "results.json").write_text(json.dumps({"decode": decode, "summary": summary}))
+    if tree is not None:
+        summary["tree"] = tree
+    results = {"decode": decode, "summary": summary, **({} if plain is None else {"plain": plain})}
+    (d / "results.json").write_text(json.dumps(results))
 
 
 def test_speedup_pairs_greedy_of_same_context_and_heatmap(tmp_path):
@@ -181,3 +185,37 @@ def test_speedup_pairs_greedy_of_same_context_and_heatmap(tmp_path):
 def test_nothing_to_summarize(tmp_path):
     assert write_summary(tmp_path) == []
     assert not (tmp_path / "summary.csv").exists()
+
+
+def test_best_trial_tree_installs_as_a_tree_file(tmp_path, tiny_backbone):
+    """write_best picks the fastest speculative job, writes its tree as best_tree.json and, asked to,
+    as tree.json beside the checkpoint it used, which a Medusa proposer then loads with its p_min."""
+    from components.heads.medusa import build_heads
+    from components.proposer.medusa import MedusaProposer
+    from pipeline.sweep import write_best
+    bb = tiny_backbone
+    heads = build_heads(bb, torch.ones(bb.model.args.vocab_size, dtype=torch.long), draft_vocab=None)
+    ckpt = heads.save(tmp_path / "heads" / "heads.safetensors", {"vocab_size": bb.model.args.vocab_size,
+                                                                 "fingerprint": bb.model.fingerprint()})
+    sweep = tmp_path / "sweep"
+    fake_job(sweep, "0-decode=greedy", ["decode=greedy"], "greedy", 10.0)
+    for n, (w, tps) in enumerate([(1, 9.0), (2, 12.0)], 1):
+        fake_job(sweep, f"{n}-tree.width={w}", [f"tree.width={w}"], "tree_medusa", tps, 1.5, 12.0,
+                 tree={"choices": [[0], [1]][:w], "p_min": 0.05, "checkpoint": str(ckpt)}, plain=False)
+    best = json.loads(write_best(sweep, install=True).read_text())
+    assert best["job"] == "2-tree.width=2" and best["speedup"] == 1.2 and best["trials"] == 2
+    installed = json.loads((ckpt.parent / "tree.json").read_text())
+    assert installed["choices"] == [[0], [1]] and installed["p_min"] == 0.05
+    prop = MedusaProposer(bb, checkpoint=str(ckpt), tree_file="auto", nodes=None)
+    assert prop.p_min == 0.05 and [list(c) for c in prop.tree.choices] == [[0], [1]]
+
+
+def test_wandb_logs_a_sweep_summary_offline(tmp_path, compose_cfg):
+    from pipeline.tracking import log_sweep
+    fake_job(tmp_path, 0, ["decode=greedy"], "greedy", 10.0)
+    fake_job(tmp_path, 1, ["decode=tree_ngram", "tree.width=2"], "tree_ngram", 12.0, 1.4, 12.0)
+    write_summary(tmp_path)
+    log_sweep(compose_cfg(["logger=wandb"]), tmp_path)
+    run = next((tmp_path / "wandb").glob("offline-run-*"))
+    media = {p.parent.name for p in (run / "files" / "media").rglob("*") if p.is_file()}
+    assert {"sweep"} <= media
