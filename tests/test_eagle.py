@@ -3,6 +3,8 @@ checkpoints, the cached draft step equal to its training forward, best-first dyn
 tree_eagle lossless against greedy (batched too) with no draft-cache leak."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from components.heads.eagle import EagleDraft, build_eagle
 from components.proposer.eagle import EagleProposer, _Growing
 from pipeline.core import StepBatch
 from pipeline.errors import UserError
-from tests.conftest import compose_config
+from tests.conftest import REPO_ROOT, compose_config
 
 TRAIN = ["model=tiny", "heads=eagle", "data.max_samples=24", "data.max_new_tokens=16", "data.gen_batch_size=12",
          "data.answers_per_batch=4", "heads.draft_vocab=null", "~logger"]
@@ -121,3 +123,5 @@ def test_training_prompts_stay_apart_from_benchmark_prompts_by_similarity():
     pool = sum(len(g) for g in _pool())
     assert 0 < pool - available_prompts() < pool // 10
     assert not any(similar(p) for p in training_prompts(3000))
+    tuning = [json.loads(line)["prompt"] for line in (REPO_ROOT / "pipeline" / "prompts" / "tuning.jsonl").open()]
+    assert len(tuning) == 16 and not set(tuning) & set(training_prompts(available_prompts()))

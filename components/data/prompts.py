@@ -8,7 +8,8 @@ templates filled from a few hundred topics and objects, pool seed 1234). `seed` 
 order, which interleaves the groups so any prefix is varied.
 
 Kept apart from every benchmark prompt file (pipeline/prompts/*.jsonl) by similarity, not only by
-exact string: a training prompt is left out when `similar` finds a benchmark prompt sharing at
+exact string (the tuning split, pipeline/prompts/tuning.jsonl, drawn from this pool's tail for
+tuning presets, is left out exactly, its template siblings stay): a training prompt is left out when `similar` finds a benchmark prompt sharing at
 least SIMILARITY of the smaller one's normalised word trigrams (lower case, words and numbers only),
 which catches paraphrases ("Define the word 'photosynthesis'." against "Define the word
 photosynthesis in one or two sentences.") and shared templates.
@@ -25,7 +26,17 @@ from pathlib import Path
 _POOL_FILE = Path(__file__).with_name("prompts.json.gz")
 BENCH_DIR = Path(__file__).resolve().parent.parent.parent / "pipeline" / "prompts"
 SIMILARITY = 0.5  # trigram containment at which a training prompt counts as a benchmark prompt's near copy
-FILTER = f"trigram-containment>={SIMILARITY}"  # recorded in the data config: another filter, another data set
+FILTER = f"trigram-containment>={SIMILARITY},tuning-split"  # in the data config: another filter, another data set
+TUNING = "tuning.jsonl"
+
+
+def _prompt_texts(path: Path) -> list[str]:
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            out.append(r.get("prompt") or " ".join(m.get("content", "") for m in r.get("messages") or []))
+    return out
 
 
 def trigrams(text: str) -> set[tuple[str, ...]]:
@@ -35,12 +46,7 @@ def trigrams(text: str) -> set[tuple[str, ...]]:
 
 @functools.lru_cache(maxsize=1)
 def _benchmark() -> tuple[list[set], dict]:
-    texts = []
-    for f in sorted(BENCH_DIR.glob("*.jsonl")):
-        for line in f.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                texts.append(r.get("prompt") or " ".join(m.get("content", "") for m in r.get("messages") or []))
+    texts = [t for f in sorted(BENCH_DIR.glob("*.jsonl")) if f.name != TUNING for t in _prompt_texts(f)]
     grams = [trigrams(t) for t in texts]
     index = collections.defaultdict(list)
     for k, g in enumerate(grams):
@@ -65,8 +71,9 @@ def _pool() -> tuple[tuple[str, ...], ...]:
 
 @functools.lru_cache(maxsize=1)
 def _kept() -> tuple[tuple[str, ...], ...]:
-    """The pool without the prompts similar to a benchmark prompt."""
-    return tuple(tuple(p for p in group if not similar(p)) for group in _pool())
+    """The pool without the prompts similar to a benchmark prompt and without the tuning split."""
+    tuning = set(_prompt_texts(BENCH_DIR / TUNING)) if (BENCH_DIR / TUNING).is_file() else set()
+    return tuple(tuple(p for p in group if p not in tuning and not similar(p)) for group in _pool())
 
 
 def available_prompts() -> int:
