@@ -78,3 +78,74 @@ def test_engine_consults_the_guard_and_stays_lossless(tiny_backbone):
         calls = engine.guard.calls
         assert len(calls) == gen.steps - 1  # every step after the prefill
         assert any(d for d, _ in calls) == allow and sum(t for _, t in calls) >= len(gen.token_ids) - 1
+
+
+class SlowSteps:
+    """The tiny model with a given cost curve: each forward takes at least base + per_row x rows ms
+    (slept, so the curve, not this machine's load, sets the timings: the test checks the prediction
+    machinery, not a speed)."""
+
+    def __init__(self, model, base_ms: float = 30.0, per_row_ms: float = 3.0):
+        self.model, self.base, self.per_row = model, base_ms, per_row_ms
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def step(self, batch, kv, layers=None):
+        import time
+        until = time.perf_counter() + (self.base + self.per_row * batch.rows) / 1e3
+        h = self.model.step(batch, kv, layers)
+        time.sleep(max(0.0, until - time.perf_counter()))
+        return h
+
+
+def test_policy_prediction_is_within_15_percent_of_the_measured_speedup(tiny_backbone):
+    """The sizing policy's prediction (components/proposer/policy.py: measured whole-step costs at each
+    draft count, and the paths' acceptance) against decoding with that tree, on the tiny model given a
+    CPU-like step cost. The proposer drafts a 3-deep chain whose first two drafts are the target's own
+    next tokens and the third is wrong: P(path) = 1, 1, 0, so 3 tokens per step are predicted. The
+    prediction counts the whole step (forward, LM head, verification, commit, proposal); a model of
+    the forward alone would miss what the engine adds around it."""
+    from components.proposer.policy import choose, step_costs
+    from components.kv.contiguous import ContiguousKV
+    from components.sampler.logits import Sampler
+    from components.verifier.greedy import GreedyVerifier
+    from pipeline.core import Engine, Proposer, Tree
+
+    bb = tiny_backbone
+    slow = SlowSteps(bb.model)
+    ids = bb.tokenizer.encode("the quick brown fox jumps over the lazy dog")
+    n = 48
+
+    def engine(proposer=None):
+        return Engine(slow, ContiguousKV(bb), Sampler(do_sample=False), [], n, proposer=proposer,
+                      verifier=GreedyVerifier() if proposer else None)
+
+    plain = engine()
+    plain.generate(ids)  # warm-up
+    ref = plain.generate(ids)
+
+    class Oracle(Proposer):
+        def propose(self, state):
+            k = len(state.tokens) - len(ids) - 1  # tokens committed after the first
+            nxt = ref.token_ids[k + 1:k + 3]
+            if len(nxt) < 2:
+                return None
+            return Tree.from_parents([state.tokens[-1], *nxt, (nxt[-1] + 1) % bb.model.args.vocab_size], [-1, 0, 1, 2])
+
+    spec = engine(Oracle())
+    spec.generate(ids)
+    import time
+    t = time.perf_counter()
+    got = spec.generate(ids)
+    spec_s = time.perf_counter() - t
+    t = time.perf_counter()
+    plain.generate(ids)
+    plain_s = time.perf_counter() - t
+    assert got.token_ids == ref.token_ids
+    measured = (len(got.token_ids) / spec_s) / (len(ref.token_ids) / plain_s)
+    order = [((0,), 1.0), ((0, 0), 1.0), ((0, 0, 0), 0.0)]
+    costs = step_costs(slow, [p for p, _ in order], proposal_ms=0.0, prefix=len(ids) + n // 2)
+    predicted = next(r for r in choose(order, costs)["table"] if r["nodes"] == 3)["expected_speedup"]
+    assert measured > 1.5  # the tree pays here: 3 tokens per step at ~1.3x a plain step's cost
+    assert abs(predicted / measured - 1) < 0.15, (predicted, measured)
