@@ -71,9 +71,11 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
 
 def quiet_lightning(path) -> None:
     """Lightning's banners and tips (accelerator lines, model summaries, "consider increasing
-    num_workers") go to <run dir>/train.log, not the terminal: what the job says there is its
-    progress bar and its last line."""
+    num_workers") go to <run dir>/train.log and wandb's are silenced, not the terminal: what the
+    job says there is its progress bars and its last line."""
     import logging
+    import os
+    os.environ.setdefault("WANDB_SILENT", "true")  # wandb's own banner lines too (its files say where the run is)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
