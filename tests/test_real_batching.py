@@ -1,5 +1,6 @@
 """The lossless invariant on the real model, in every precision: on the 24 benchmark prompts x 64
-tokens, greedy at batch 8 and every tree preset give the tokens of plain greedy decoding (batch 1)
+tokens, greedy at batch 8 and every tree preset (tree_medusa and tree_eagle with the shipped drafts)
+give the tokens of plain greedy decoding (batch 1)
 in the same precision, with kv=paged and kv=contiguous, with batch_size=8 and batch_size=1.
 
 float32 runs every preset with both KV managers and both batch sizes; bfloat16 and q4, whose
@@ -21,7 +22,9 @@ RUNS = [("float32", "greedy", "paged", 8), ("float32", "tree_ngram", "contiguous
         ("float32", "tree_medusa", "contiguous", 8), ("float32", "self_spec", "contiguous", 8),
         ("q4", "greedy", "paged", 8), ("q4", "tree_ngram", "contiguous", 1),
         ("q4", "tree_medusa", "paged", 8), ("q4", "self_spec", "contiguous", 1),
-        ("bfloat16", "greedy", "contiguous", 8), ("bfloat16", "tree_medusa", "paged", 1)]
+        ("bfloat16", "greedy", "contiguous", 8), ("bfloat16", "tree_medusa", "paged", 1),
+        ("float32", "tree_eagle", "contiguous", 1), ("float32", "tree_eagle", "paged", 8),
+        ("q4", "tree_eagle", "paged", 8)]
 PROMPTS = {"float32": 24, "q4": 24, "bfloat16": 12}  # bfloat16 is the slowest mode on one test thread
 
 _backbones: dict = {}

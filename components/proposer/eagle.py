@@ -8,9 +8,9 @@ sequence at once (one packed draft forward per depth, `StepBatch` as in the targ
    draft cache; the last row's output is the predicted feature of the root, whose LM-head
    distribution gives the depth-1 candidates (top `width`);
 2. depth by depth, the `width` nodes of the newest depth with the best cumulative draft
-   log-probability are expanded: the draft reads (predicted feature of the parent, node token) with
-   the tree mask over the expanded nodes (their ancestors) and proposes each one's top `width`
-   children;
+   log-probability are expanded: the draft reads (predicted feature of the parent, node token) as
+   one new row per node, attending to the committed slots and to its ancestors' tentative slots
+   (written at earlier depths), and proposes each one's top `width` children;
 3. all candidates are re-ranked by cumulative log-probability and the best `max_nodes` form the
    tree (a child never scores above its parent, so the kept set is a tree); nodes below `p_min`
    are dropped. The draft's tentative slots are discarded.
@@ -119,42 +119,39 @@ class EagleProposer(Proposer):
             trees.append(_Growing(depth))
             if depth >= 1:
                 trees[-1].add_children(0, logp[b], self.width, draft.vocab_ids, roots[b])
-        # 2. expand the best `width` nodes of the newest depth, all sequences in one draft forward
+        # 2. expand the best `width` nodes of the newest depth, all sequences in one draft forward:
+        # only the new rows run; each attends to the committed slots and to the tentative slots its
+        # ancestors were written to at earlier depths (a patched attention bias), never to a cousin's
+        committed = {s.dseq: kv.length(s.dseq) for _, s in live}
         for d in range(2, self.depth + 1):
             grow = [(b, t) for b, t in enumerate(trees) if t.depth >= d and t.frontier(d - 1)]
             if not grow:
                 break
-            rows, picks = [], []
-            for b, t in grow:
-                pick = heapq.nlargest(self.width, t.frontier(d - 1), key=lambda n: t.score[n])
-                t.expanded += pick
-                picks.append(pick)
-                nodes = t.expanded
-                index = {n: i for i, n in enumerate(nodes)}
-                mask = torch.zeros(len(nodes), len(nodes), dtype=torch.bool)
-                for i, n in enumerate(nodes):
-                    a = n
-                    while a != 0:
-                        mask[i, index[a]] = True
-                        a = t.parent[a]
-                rows.append((torch.tensor([t.token[n] for n in nodes]), torch.tensor([t.depth_of[n] - 1 for n in nodes]),
-                             mask, torch.stack([t.parent_feat[n] for n in nodes])))
+            picks = [heapq.nlargest(self.width, t.frontier(d - 1), key=lambda n: t.score[n]) for _, t in grow]
             seqs = [live[b][1].dseq for b, _ in grow]
-            batch = StepBatch.build(seqs, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
-                                    [kv.used(q) for q in seqs])
-            f = draft.step(batch, kv, torch.cat([r[3] for r in rows]))
-            for q in seqs:
-                kv.discard(q)
-            new_rows, owners = [], []
-            for (b, t), pick, off in zip(grow, picks, batch.offsets):
-                at = {n: i for i, n in enumerate(t.expanded)}
+            starts = [kv.used(q) for q in seqs]
+            batch = StepBatch.build(
+                seqs, [torch.tensor([t.token[n] for n in pick]) for (_, t), pick in zip(grow, picks)],
+                [torch.full((len(pick),), committed[q] + d - 2 - st) for q, st, pick in zip(seqs, starts, picks)],
+                [torch.eye(len(pick), dtype=torch.bool) for pick in picks], starts)
+            for k, ((_, t), pick, q, st) in enumerate(zip(grow, picks, seqs, starts)):
+                base = committed[q]
+                if st > base:  # tentative columns: closed, then each row's ancestors opened
+                    batch.bias[k, 0, :len(pick), base:st] = float("-inf")
+                    for i, n in enumerate(pick):
+                        for a in t.ancestors(n):
+                            batch.bias[k, 0, i, base + t.slot[a]] = 0.0
+                for i, n in enumerate(pick):
+                    t.slot[n] = st - base + i
+            f = draft.step(batch, kv, torch.stack([t.parent_feat[n] for (_, t), pick in zip(grow, picks) for n in pick]))
+            lp = torch.log_softmax(draft.logits(f), dim=-1)
+            r = 0
+            for (_, t), pick in zip(grow, picks):
                 for n in pick:
-                    new_rows.append(f[off + at[n]])
-                    owners.append((t, n))
-            feats = torch.stack(new_rows)
-            lp = torch.log_softmax(draft.logits(feats), dim=-1)
-            for (t, n), row, feat in zip(owners, lp, feats):
-                t.add_children(n, row, self.width, draft.vocab_ids, feat)
+                    t.add_children(n, lp[r], self.width, draft.vocab_ids, f[r])
+                    r += 1
+        for _, s in live:
+            kv.discard(s.dseq)
         # 3. the best max_nodes candidates by cumulative log-probability
         floor = math.log(self.p_min) if self.p_min > 0 else -math.inf
         for (st, s), t in zip(live, trees):
@@ -170,7 +167,7 @@ class _Growing:
         self.token, self.parent, self.depth_of, self.score = [-1], [-1], [0], [0.0]
         self.parent_feat: list[torch.Tensor | None] = [None]  # the predicted feature a node's row reads
         self.by_depth: dict[int, list[int]] = {}
-        self.expanded: list[int] = []
+        self.slot: dict[int, int] = {}  # an expanded node's tentative slot in the draft cache (after the committed ones)
 
     def frontier(self, d: int) -> list[int]:
         return self.by_depth.get(d, [])
@@ -190,14 +187,15 @@ class _Growing:
     def tree(self, root: int, max_nodes: int, floor: float) -> Tree | None:
         cands = [n for n in range(1, len(self.token)) if self.score[n] >= floor]
         keep = set(sorted(cands, key=lambda n: (-self.score[n], self.depth_of[n], n))[:max_nodes])
-        keep = {n for n in keep if all(a in keep or a == 0 for a in self._ancestors(n))}
+        keep = {n for n in keep if all(a in keep for a in self.ancestors(n))}
         if not keep:
             return None
         order = sorted(keep, key=lambda n: (self.depth_of[n], n))
         index = {0: 0, **{n: i + 1 for i, n in enumerate(order)}}
         return Tree.from_parents([root] + [self.token[n] for n in order], [-1] + [index[self.parent[n]] for n in order])
 
-    def _ancestors(self, n: int):
+    def ancestors(self, n: int):
+        """n's ancestors below the root, nearest first."""
         a = self.parent[n]
         while a > 0:
             yield a
