@@ -62,7 +62,9 @@ def test_bench_prompts_equal_plain_greedy(real_backbone, bench_prompts, dtype, p
     if dtype != "float32":
         assert bb.batch_invariant, "the kernel probe found no batch-invariant path on this machine"
     reference = plain_greedy(bb, dtype, bench_prompts)
-    forced = ["proposer.nodes=null"] if preset == "tree_medusa" else []  # the installed tree, whatever pays here
+    forced = {"tree_medusa": ["proposer.nodes=null"],  # the installed tree, whatever pays here
+              "tree_eagle": ["tree.width=4", "tree.depth=4", "tree.max_nodes=16"],  # an EAGLE-2 tree, not one draft
+              }.get(preset, [])
     cfg = compose_config([f"decode={preset}", f"kv={kv}", f"batch_size={batch}", "max_new_tokens=64",
                           f"model.dtype={dtype}", *forced])
     engine, _ = build_engine(cfg, bb)

@@ -115,7 +115,7 @@ class EagleProposer(Proposer):
         # per sequence: nodes as (token, parent node, depth, cumulative log p, feature of the parent)
         trees = []
         for b, (st, s) in enumerate(live):
-            depth = min(self.depth, st.budget - 1)
+            depth = min(self.depth, self.max_nodes, st.budget - 1)  # max_nodes drafts reach no deeper
             trees.append(_Growing(depth))
             if depth >= 1:
                 trees[-1].add_children(0, logp[b], self.width, draft.vocab_ids, roots[b])
