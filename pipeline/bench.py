@@ -248,6 +248,9 @@ def pipeline_report(p: Pipeline, base: Pipeline, reqs) -> dict:
     policy = getattr(getattr(p.runner, "proposer", None) or getattr(p.runner, "idle_proposer", None), "policy", None)
     if policy:  # the proposer's tree size for this machine (0 = plain decoding)
         report["speculation"] = {k: policy[k] for k in ("nodes", "expected_speedup", "expected_accept_length")}
+    guard = getattr(p.runner, "guard", None)
+    if guard is not None and getattr(p.runner, "proposer", None) is not None:  # the last round's
+        report["guard"] = dict(guard.stats)
     kv = getattr(p.runner, "kv", None)  # our engines: the KV pool's memory, peak over warm-up and rounds
     if kv is not None:
         report["kv"] = kv.stats()
