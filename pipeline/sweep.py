@@ -27,8 +27,6 @@ from pathlib import Path
 import yaml
 from hydra.experimental.callback import Callback
 
-from pipeline.core.io import atomic_write
-
 METRICS = ("tokens_per_s", "speedup", "mean_accepted_length", "tree_step_ms", "plain_step_ms")
 # overrides of speculative settings (and of what only names or records a run): a plain job that
 # agrees with a job on every other override is its baseline
@@ -127,6 +125,13 @@ def _fmt(v) -> str:
     if v is None:
         return ""
     return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def atomic_write(path, data):
+    """pipeline.core.io.atomic_write, imported when used: Hydra imports this module (through
+    hydra_plugins/decode_sweepers) in every app it starts, and pipeline.core brings torch."""
+    from pipeline.core.io import atomic_write as write
+    return write(path, data)
 
 
 def to_csv(columns: list[str], table: list[dict]) -> str:

@@ -14,7 +14,16 @@ from __future__ import annotations
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
-from pipeline import sweep as _sweep
+
+class _Lazy:
+    """pipeline.sweep on first use: Hydra imports this module whenever it starts an app."""
+
+    def __getattr__(self, name):
+        from pipeline import sweep
+        return getattr(sweep, name)
+
+
+_sweep = _Lazy()
 
 
 class BaselineSweeper(BasicSweeper):
