@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from components.heads.medusa import draft_lm_weight, select_draft_vocab
+from components.heads.medusa import check_fits, draft_lm_weight, select_draft_vocab
 from components.model.llama import Block, RMSNorm, cached_attention, rope_inv_freq
 from pipeline.core import UserError, atomic_write
 
@@ -141,13 +141,7 @@ class EagleDraft(nn.Module):
             kind = "a Medusa head checkpoint (use proposer=medusa)" if "medusa" in meta else f"format {info.get('format')!r}"
             raise UserError(f"{path} is not an EAGLE draft checkpoint of this project: it is {kind}")
         args = backbone.model.args
-        if info["dim"] != args.dim or info.get("vocab_size") != args.vocab_size:
-            raise UserError(f"draft checkpoint {path} was trained for hidden size {info['dim']} / vocab "
-                            f"{info.get('vocab_size')}, but the backbone has {args.dim} / {args.vocab_size}: "
-                            "use a draft trained on this backbone")
-        if info.get("fingerprint") not in (None, backbone.model.fingerprint()):
-            raise UserError(f"draft checkpoint {path} was trained on another backbone "
-                            f"({info.get('fingerprint')} != {backbone.model.fingerprint()}): retrain for this model")
+        check_fits(path, info, backbone, "draft")
         if "vocab_ids" not in tensors:
             raise UserError(f"draft checkpoint {path} has no vocab_ids tensor: retrain it")
         vocab_ids = tensors["vocab_ids"]

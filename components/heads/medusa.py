@@ -115,14 +115,7 @@ class MedusaHeads(nn.Module):
                             "re-export or retrain it") from None
         if info.get("format") != FORMAT:
             raise UserError(f"{path} is not a Medusa head checkpoint of this project (format {info.get('format')!r})")
-        args = backbone.model.args
-        if info["dim"] != args.dim or info.get("vocab_size") != args.vocab_size:
-            raise UserError(f"head checkpoint {path} was trained for hidden size {info['dim']} / vocab "
-                            f"{info.get('vocab_size')}, but the backbone has {args.dim} / {args.vocab_size}: "
-                            "use heads trained on this backbone")
-        if info.get("fingerprint") not in (None, backbone.model.fingerprint()):
-            raise UserError(f"head checkpoint {path} was trained on another backbone "
-                            f"({info.get('fingerprint')} != {backbone.model.fingerprint()}): retrain for this model")
+        check_fits(path, info, backbone, "head")
         if "vocab_ids" not in tensors:
             raise UserError(f"head checkpoint {path} has no vocab_ids tensor: re-export or retrain it")
         vocab_ids = tensors["vocab_ids"]
@@ -135,6 +128,19 @@ class MedusaHeads(nn.Module):
                             f"{missing or 'none'}, unexpected {unexpected or 'none'}; re-export or retrain it")
         heads.info = info
         return heads.to(backbone.model.device).eval().requires_grad_(False)
+
+
+def check_fits(path: Path, info: dict, backbone, kind: str) -> None:
+    """A checkpoint's header against the backbone it is loaded onto: hidden size, vocabulary and
+    fingerprint (Medusa heads and EAGLE drafts alike; `kind` names it in the error)."""
+    args = backbone.model.args
+    if info["dim"] != args.dim or info.get("vocab_size") != args.vocab_size:
+        raise UserError(f"{kind} checkpoint {path} was trained for hidden size {info['dim']} / vocab "
+                        f"{info.get('vocab_size')}, but the backbone has {args.dim} / {args.vocab_size}: "
+                        f"use {kind}s trained on this backbone")
+    if info.get("fingerprint") not in (None, backbone.model.fingerprint()):
+        raise UserError(f"{kind} checkpoint {path} was trained on another backbone "
+                        f"({info.get('fingerprint')} != {backbone.model.fingerprint()}): retrain for this model")
 
 
 def draft_lm_weight(backbone, vocab_ids: torch.Tensor) -> torch.Tensor:
