@@ -85,6 +85,36 @@ def test_batched_generation_matches_plain_greedy(tiny_backbone):
         torch.testing.assert_close(hidden.float(), ref.to(torch.bfloat16).float())
 
 
+def test_data_grows_in_parts_and_reads_prefixes(tiny_backbone, tmp_path, monkeypatch):
+    """A larger request generates only the missing answers; a smaller one reads a prefix of the same
+    set; an interrupted job resumes from its last part; the held-out answers of a prefix are the
+    prefix's share of the larger set's."""
+    import components.data.self_distill as sd
+    calls = []
+    real = sd.generate_batch
+    monkeypatch.setattr(sd, "generate_batch", lambda bb, ps, *a, **k: calls.append(len(ps)) or real(bb, ps, *a, **k))
+    kw = dict(max_new_tokens=6, batch_size=4, save_every=1, root=str(tmp_path))
+    small = sd.build_self_distill(tiny_backbone, max_samples=6, **kw)
+    assert calls == [4, 2] and small.samples == 6
+    out = next(tmp_path.glob("self_distill-*"))
+    assert sorted(p.name for p in out.glob("part-*")) == ["part-000000-000004.safetensors", "part-000004-000006.safetensors"]
+    calls.clear()
+    big = sd.build_self_distill(tiny_backbone, max_samples=11, **kw)
+    assert calls == [4, 1] and big.samples == 11  # answers 6..10 only
+    assert json.loads((out / "manifest.json").read_text()) == {"answers": 11, "tokens": int(big.offsets[-1])}
+    prefix = sd.build_self_distill(tiny_backbone, max_samples=5, **kw)
+    assert calls == [4, 1] and prefix.samples == 5
+    torch.testing.assert_close(prefix.tokens, big.tokens[:int(big.offsets[5])])
+    torch.testing.assert_close(prefix.hidden, big.hidden[:int(big.offsets[5])])
+    (out / "part-000010-000011.safetensors").unlink()  # interrupted before its last part
+    calls.clear()
+    again = sd.build_self_distill(tiny_backbone, max_samples=11, **kw)
+    assert calls == [1] and torch.equal(again.tokens, big.tokens)
+    _, val_big = big.split(0.3)
+    _, val_prefix = prefix.split(0.3)
+    assert torch.equal(val_prefix.tokens, val_big.tokens[:val_prefix.tokens.numel()])
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A seconds-long training run on the tiny model, through the real entry point."""
@@ -106,7 +136,8 @@ def test_training_writes_checkpoints_metrics_and_heads(trained):
     csv = next((run / "csv").rglob("metrics.csv")).read_text()
     assert "train/head1_loss" in csv.splitlines()[0]
     data = next((root / "data").glob("self_distill-*"))
-    assert (data / "config.json").is_file() and (data / "data.safetensors").is_file()
+    assert (data / "config.json").is_file() and json.loads((data / "manifest.json").read_text())["answers"] == 24
+    assert [p.name for p in data.glob("part-*")] == ["part-000000-000024.safetensors"]
 
 
 def test_training_resumes_from_last_checkpoint(trained):

@@ -6,13 +6,15 @@ batching) and reports, with every committed token, the target hidden state that 
 exactly what a Medusa head reads. A sample is
   tokens[i]  = y_{i+1}, the i-th response token (i = 0..n-1),
   hidden[i]  = h after consuming the prompt (i = 0) or y_i (i >= 1), the state that predicts y_{i+1}.
-The set is stored with the config that made it and reused when that config matches.
+The answers are stored in parts with the config that made them (`config.json`, `manifest.json`:
+answers and tokens so far) and reused by every run with that config, whatever its size.
 """
 from __future__ import annotations
 
 import fcntl
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,11 +37,16 @@ class DistillSet:
         return self.offsets.numel() - 1
 
     def split(self, val_fraction: float, seed: int = 0) -> tuple["DistillSet", "DistillSet"]:
-        """Split by sample (never inside one answer)."""
-        g = torch.Generator().manual_seed(seed)
-        order = torch.randperm(self.samples, generator=g)
-        n_val = max(1, int(round(self.samples * val_fraction))) if self.samples > 1 else 0
-        return self.subset(order[n_val:].sort().values), self.subset(order[:n_val].sort().values)
+        """Split by sample (never inside one answer). Whether sample i is held out depends on i
+        alone, so the first n answers of a larger set hold out the same answers as a set of n."""
+        if self.samples < 2:
+            return self, self.subset(torch.zeros(0, dtype=torch.long))
+        idx = torch.arange(self.samples)
+        u = ((idx * 2654435761 + seed * 40503 + 12345) % 2**32).double() / 2**32
+        val = u < val_fraction
+        if not val.any():
+            val[u.argmin()] = True
+        return self.subset(idx[~val]), self.subset(idx[val])
 
     def subset(self, idx: torch.Tensor) -> "DistillSet":
         spans = [(int(self.offsets[i]), int(self.offsets[i + 1])) for i in idx]
@@ -66,55 +73,87 @@ def data_dir(root: str | Path, config: dict) -> Path:
     return Path(root) / f"self_distill-{key}"
 
 
+PART = re.compile(r"part-(\d{6})-(\d{6})\.safetensors")
+
+
+def parts(out: Path) -> list[tuple[int, int, Path]]:
+    """The saved parts of a set, as (first prompt, end prompt, path), sorted."""
+    found = ((PART.fullmatch(p.name), p) for p in out.glob("part-*.safetensors"))
+    return sorted((int(m[1]), int(m[2]), p) for m, p in found if m)
+
+
+def covered(out: Path) -> int:
+    """How many prompts from the start of the order have saved answers (the contiguous prefix)."""
+    end = 0
+    for a, b, _ in parts(out):
+        if a > end:
+            break
+        end = max(end, b)
+    return end
+
+
 def build_self_distill(backbone, max_samples: int = 2000, max_new_tokens: int = 192, batch_size: int = 16,
                        prompt_seed: int = 0, root: str = "outputs/data", chat: bool = True,
                        save_every: int = 8) -> DistillSet:
-    """Generate (or load) the set. Partial progress is saved every `save_every` batches, so an
-    interrupted job resumes where it stopped."""
+    """The backbone's answers to the first `max_samples` training prompts, generated where missing.
+
+    One directory holds every answer made with one generation config (model, precision, answer
+    length, prompt order, filter); its size is not part of that config, so asking for more answers
+    generates only the new ones and a smaller request reads a prefix. Answers are saved in parts of
+    `save_every` x `batch_size` prompts, so an interrupted job resumes where it stopped."""
     for name, v in (("max_samples", max_samples), ("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"`data.{name}` must be a positive int, got {v}")
     config = {"model": backbone.name, "fingerprint": backbone.model.fingerprint(), "precision": backbone.precision,
-              "max_samples": max_samples,
               "max_new_tokens": max_new_tokens, "prompt_seed": prompt_seed, "chat": chat, "decoding": "greedy",
               "prompt_filter": FILTER}
     out = data_dir(root, config)
-    final = out / "data.safetensors"
-    if final.is_file():
-        return _load(final)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".lock", "w") as lock:  # one process generates; others (DDP ranks) wait, then load
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if final.is_file():
-            return _load(final)
-        return _generate(backbone, out, final, config, batch_size, save_every)
+    if covered(out) < max_samples:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / ".lock", "w") as lock:  # one process generates; others (DDP ranks) wait, then load
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            _generate(backbone, out, config, max_samples, batch_size * save_every, batch_size)
+    return _first(out, max_samples)
 
 
-def _generate(backbone, out: Path, final: Path, config: dict, batch_size: int, save_every: int) -> DistillSet:
-    max_samples, max_new_tokens = config["max_samples"], config["max_new_tokens"]
-    prompt_seed, chat = config["prompt_seed"], config["chat"]
+def _generate(backbone, out: Path, config: dict, max_samples: int, chunk: int, batch_size: int) -> None:
+    done = covered(out)
+    if done >= max_samples:
+        return
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    prompts = training_prompts(max_samples, seed=prompt_seed)
+    prompts = training_prompts(max_samples, seed=config["prompt_seed"])
     tok = backbone.tokenizer
-    encoded = [encode_chat(tok, None, p, chat) for p in prompts]
-    parts = sorted(out.glob("part-*.safetensors"))
-    done = sum(int(load_file(p)["offsets"].numel() - 1) for p in parts)
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths pad less
-    bar = tqdm(total=len(encoded), initial=done, desc="self-distill", unit="answer")
-    chunk = save_every * batch_size  # prompts per saved part, decoded batch_size at a time
-    for start in range(done, len(order), chunk):
-        batch = [encoded[i] for i in order[start:start + chunk]]
-        samples = generate_batch(backbone, batch, max_new_tokens, batch_size)
-        _save(out / f"part-{start:06d}.safetensors", samples)
-        bar.update(len(batch))
+    bar = tqdm(total=max_samples, initial=done, desc="self-distill", unit="answer")
+    for start in range(done, max_samples, chunk):
+        end = min(start + chunk, max_samples)
+        encoded = [encode_chat(tok, None, p, config["chat"]) for p in prompts[start:end]]
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths pad less
+        answers = generate_batch(backbone, [encoded[i] for i in order], config["max_new_tokens"], batch_size)
+        samples = [None] * len(encoded)
+        for i, a in zip(order, answers):
+            samples[i] = a  # saved in prompt order, so any prefix of the set is well defined
+        _save(out / f"part-{start:06d}-{end:06d}.safetensors", samples)
+        bar.update(end - start)
         bar.set_postfix(tokens=sum(len(t) for t, _ in samples))
     bar.close()
-    parts = sorted(out.glob("part-*.safetensors"))
-    merged = _merge([_load(p) for p in parts])
-    _write(final, merged)
-    for p in parts:
-        p.unlink()
-    return merged
+    tokens = sum(int(load_file(p)["offsets"][-1]) for _, _, p in parts(out))
+    atomic_write(out / "manifest.json", json.dumps({"answers": covered(out), "tokens": tokens}, indent=2))
+
+
+def _first(out: Path, n: int) -> DistillSet:
+    """The first `n` answers, from the parts that cover them."""
+    sets, end = [], 0
+    for a, b, p in parts(out):
+        if end >= n:
+            break
+        if b <= end:
+            continue  # a part inside what is already read (parts of an earlier chunk size)
+        ds = _load(p)
+        if (end - a, min(b, n) - a) != (0, ds.samples):
+            ds = ds.subset(torch.arange(end - a, min(b, n) - a))
+        sets.append(ds)
+        end = min(b, n)
+    return _merge(sets)
 
 
 def _pack(samples) -> DistillSet:
