@@ -125,3 +125,25 @@ def test_training_prompts_stay_apart_from_benchmark_prompts_by_similarity():
     assert not any(similar(p) for p in training_prompts(3000))
     tuning = [json.loads(line)["prompt"] for line in (REPO_ROOT / "pipeline" / "prompts" / "tuning.jsonl").open()]
     assert len(tuning) == 16 and not set(tuning) & set(training_prompts(available_prompts()))
+
+
+def test_a_new_benchmark_prompt_is_another_data_set(tmp_path, monkeypatch):
+    """The data config names the kept prompts by digest: a benchmark file that leaves out other
+    training prompts gives another data directory, never a stale set under the old name."""
+    import shutil
+    import components.data.prompts as prompts
+    before = prompts.prompt_filter()
+    bench = tmp_path / "prompts"
+    shutil.copytree(prompts.BENCH_DIR, bench)
+    (bench / "extra.jsonl").write_text(json.dumps({"prompt": prompts.training_prompts(1)[0]}) + "\n")
+    monkeypatch.setattr(prompts, "BENCH_DIR", bench)
+    for f in (prompts._benchmark, prompts._kept):
+        f.cache_clear()
+    try:
+        assert prompts.prompt_filter() != before
+        assert not prompts.similar(prompts.training_prompts(1)[0])
+    finally:
+        monkeypatch.undo()
+        for f in (prompts._benchmark, prompts._kept):
+            f.cache_clear()
+    assert prompts.prompt_filter() == before

@@ -18,6 +18,7 @@ photosynthesis in one or two sentences.") and shared templates.
 import collections
 import functools
 import gzip
+import hashlib
 import json
 import random
 import re
@@ -26,7 +27,7 @@ from pathlib import Path
 _POOL_FILE = Path(__file__).with_name("prompts.json.gz")
 BENCH_DIR = Path(__file__).resolve().parent.parent.parent / "pipeline" / "prompts"
 SIMILARITY = 0.5  # trigram containment at which a training prompt counts as a benchmark prompt's near copy
-FILTER = f"trigram-containment>={SIMILARITY},tuning-split"  # in the data config: another filter, another data set
+FILTER = f"trigram-containment>={SIMILARITY},tuning-split"
 TUNING = "tuning.jsonl"
 
 
@@ -74,6 +75,13 @@ def _kept() -> tuple[tuple[str, ...], ...]:
     """The pool without the prompts similar to a benchmark prompt and without the tuning split."""
     tuning = set(_prompt_texts(BENCH_DIR / TUNING)) if (BENCH_DIR / TUNING).is_file() else set()
     return tuple(tuple(p for p in group if p not in tuning and not similar(p)) for group in _pool())
+
+
+def prompt_filter() -> str:
+    """The filter and a digest of the prompts it keeps, for the data config: another filter, or a
+    benchmark file added or edited so that other prompts are left out, is another data set."""
+    digest = hashlib.sha1(json.dumps(_kept()).encode()).hexdigest()[:10]
+    return f"{FILTER},kept={digest}"
 
 
 def available_prompts() -> int:

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from components.data.prompts import FILTER, training_prompts
+from components.data.prompts import prompt_filter, training_prompts
 from pipeline.core import Engine, atomic_write, encode_chat
 
 
@@ -106,7 +106,7 @@ def build_self_distill(backbone, max_samples: int = 2000, max_new_tokens: int = 
             raise ValueError(f"`data.{name}` must be a positive int, got {v}")
     config = {"model": backbone.name, "fingerprint": backbone.model.fingerprint(), "precision": backbone.precision,
               "max_new_tokens": max_new_tokens, "prompt_seed": prompt_seed, "chat": chat, "decoding": "greedy",
-              "prompt_filter": FILTER}
+              "prompt_filter": prompt_filter()}
     out = data_dir(root, config)
     if covered(out) < max_samples:
         out.mkdir(parents=True, exist_ok=True)
