@@ -116,6 +116,45 @@ def test_tree_eagle_is_lossless_and_frees_its_cache(trained, tiny_backbone, tmp_
     assert objs["results"]["summary"]["tree"]["dynamic"]
 
 
+def test_best_prefix_maximises_predicted_tokens_per_ms():
+    from components.proposer.policy import best_prefix
+    costs = {0: 10.0, 1: 11.0, 2: 12.0, 4: 20.0}
+    assert best_prefix([0.9, 0.8, 0.1, 0.05], costs) == 2  # 2.7 / 12 beats 1.9 / 11 and 2.85 / 20
+    assert best_prefix([0.05, 0.01], costs) == 0  # 1.05 / 11 < 1 / 10: a plain step
+    assert best_prefix([0.15], costs) == 1 and best_prefix([0.15], costs, min_gain=1.1) == 0
+    assert best_prefix([], costs) == 0
+
+
+@pytest.mark.parametrize("regime", ["measured", "rows_free", "rows_dear"])
+def test_tree_eagle_sized_per_step_is_lossless(trained, tiny_backbone, tmp_path, regime):
+    """nodes=auto sizes each step's tree on the step costs: lossless whatever it picks; free rows
+    verify every kept draft, dear rows make every step plain."""
+    from pipeline.decode import decode
+    path, _, _ = trained
+    cfg = compose_config(["decode=tree_eagle", "model=tiny", f"proposer.checkpoint={path}", "tree.width=3",
+                          "tree.depth=3", "tree.max_nodes=6", "proposer.nodes=auto", "max_new_tokens=24",
+                          "stream=false", "batch_size=2", "verify_lossless=true", "chat=false"],
+                         output_dir=tmp_path, input=str(tmp_path / "in.jsonl"))
+    prompts = ["one two three one two three", "hello there", "a b a b a b"]
+    (tmp_path / "in.jsonl").write_text("".join(f'{{"id": "r{i}", "prompt": "{p}"}}\n' for i, p in enumerate(prompts)))
+    original = EagleProposer._measure
+
+    def measure(self):
+        original(self)
+        if regime != "measured":
+            self.costs = {n: 1.0 if regime == "rows_free" or n == 0 else 1e3 for n in self.costs}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EagleProposer, "_measure", measure)
+        metrics, objs = decode(cfg, tiny_backbone)
+    assert metrics["lossless"], [it.get("first_divergence") for it in objs["results"]["items"]]
+    tree = objs["results"]["summary"]["tree"]
+    assert tree["nodes"] == "auto" and set(tree["step_ms_by_drafts"]) >= {0, 6}
+    if regime == "rows_dear":
+        assert metrics["tree_steps"] == 0 and tree["plain_step_share"] == 1.0
+    if regime == "rows_free":
+        assert metrics["tree_steps"] > 0 and tree["mean_drafts"] > 3
+
+
 def test_training_prompts_stay_apart_from_benchmark_prompts_by_similarity():
     from components.data.prompts import _pool, available_prompts, similar, training_prompts
     assert similar("Define the word 'photosynthesis'.")  # a paraphrase of a benchmark prompt

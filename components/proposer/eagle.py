@@ -15,6 +15,13 @@ sequence at once (one packed draft forward per depth, `StepBatch` as in the targ
    tree (a child never scores above its parent, so the kept set is a tree); nodes below `p_min`
    are dropped. The draft's tentative slots are discarded.
 
+With `nodes: auto` the size is chosen per step and per sequence, on this machine's measured cost of
+a verification step with n drafts (components/proposer/policy.py, measured once and cached): the
+best n by predicted tokens per ms, taking each draft's cumulative draft probability as its chance
+of acceptance (EAGLE-2's observation: the draft's confidence is calibrated), 0 (a plain step)
+when no n beats plain decoding; and a depth is drafted only while the expansion's probability
+mass could pay for the draft forward it costs (measured as the run goes).
+
 Verification is the target's (any verifier). Drafts are deterministic (top-k), so exact
 speculative sampling treats them as one-hot q.
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -48,10 +56,13 @@ class EagleProposer(Proposer):
     sampled = False
 
     def __init__(self, backbone, checkpoint: str | None = None, width: int = 6, depth: int = 5,
-                 max_nodes: int = 24, p_min: float = 0.0):
+                 max_nodes: int = 24, p_min: float = 0.0, nodes: str | None = None, min_gain: float = 1.0):
         for name, v in (("width", width), ("depth", depth), ("max_nodes", max_nodes)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise UserError(f"proposer.{name} (tree.{name}) must be a positive int, got {v}")
+        if nodes not in (None, "auto"):
+            raise UserError(f"proposer.nodes must be auto (sized per step on measured costs) or null (always "
+                            f"max_nodes), got {nodes!r}")
         if not isinstance(p_min, (int, float)) or isinstance(p_min, bool) or not 0 <= p_min < 1:
             raise UserError(f"proposer.p_min must be a probability in [0, 1), got {p_min}")
         path = Path(checkpoint) if checkpoint else shipped_draft(backbone.name)
@@ -66,11 +77,27 @@ class EagleProposer(Proposer):
         self.kv = ContiguousKV(None, 256, 1, a.n_kv_heads, a.head_dim, torch.float32, device=backbone.model.device)
         self.seqs: dict[int, _Seq] = {}
         self.policy = None
+        self.backbone, self.auto, self.min_gain = backbone, nodes == "auto", float(min_gain)
+        self.costs: dict[int, float] | None = None  # ms of a verification step by drafts (nodes=auto)
+        self.draft_ms: float | None = None  # running mean of one draft forward (nodes=auto)
+        self.sized = {"steps": 0, "drafts": 0, "plain": 0}
 
     @property
     def tree_spec(self) -> dict:
-        return {"dynamic": True, "width": self.width, "depth": self.depth, "max_nodes": self.max_nodes,
+        spec = {"dynamic": True, "width": self.width, "depth": self.depth, "max_nodes": self.max_nodes,
                 "p_min": self.p_min, "checkpoint": str(self.checkpoint_path)}
+        if self.auto:
+            steps = max(1, self.sized["steps"])
+            spec.update(nodes="auto", min_gain=self.min_gain, step_ms_by_drafts=self.costs,
+                        mean_drafts=self.sized["drafts"] / steps, plain_step_share=self.sized["plain"] / steps)
+        return spec
+
+    def _measure(self) -> None:
+        """nodes=auto: this machine's cost of a verification step with n drafts (a chain: the cost is
+        the rows'), measured once per machine, precision and max_nodes, then cached."""
+        from components.proposer.policy import measured_costs
+        chain = [(0,) * k for k in range(1, self.max_nodes + 1)]
+        self.costs = measured_costs(self.backbone, chain, 0.0, f"eagle-chain{self.max_nodes}")
 
     # --- sequences -------------------------------------------------------------------------------
     def start(self, seq: int, prompt_ids: list[int]) -> None:
@@ -98,6 +125,8 @@ class EagleProposer(Proposer):
 
     @torch.inference_mode()
     def propose_all(self, states: list[DecodeState]) -> list[Tree | None]:
+        if self.auto and self.costs is None:
+            self._measure()
         live = [(st, self.seqs[st.seq]) for st in states if st.seq in self.seqs and self.seqs[st.seq].tokens]
         out: dict[int, Tree | None] = {st.seq: None for st in states}
         if not live:
@@ -125,9 +154,13 @@ class EagleProposer(Proposer):
         committed = {s.dseq: kv.length(s.dseq) for _, s in live}
         for d in range(2, self.depth + 1):
             grow = [(b, t) for b, t in enumerate(trees) if t.depth >= d and t.frontier(d - 1)]
+            picks = [heapq.nlargest(self.width, t.frontier(d - 1), key=lambda n: t.score[n]) for _, t in grow]
+            if self.auto and self.draft_ms is not None:  # grow only where the new nodes' mass pays the forward
+                worth = [sum(math.exp(t.score[n]) for n in pick) * self.costs[0] > self.draft_ms for (_, t), pick in zip(grow, picks)]
+                grow, picks = [g for g, w in zip(grow, worth) if w], [p for p, w in zip(picks, worth) if w]
             if not grow:
                 break
-            picks = [heapq.nlargest(self.width, t.frontier(d - 1), key=lambda n: t.score[n]) for _, t in grow]
+            t0 = time.perf_counter()
             seqs = [live[b][1].dseq for b, _ in grow]
             starts = [kv.used(q) for q in seqs]
             batch = StepBatch.build(
@@ -145,6 +178,8 @@ class EagleProposer(Proposer):
                     t.slot[n] = st - base + i
             f = draft.step(batch, kv, torch.stack([t.parent_feat[n] for (_, t), pick in zip(grow, picks) for n in pick]))
             lp = torch.log_softmax(draft.logits(f), dim=-1)
+            ms = (time.perf_counter() - t0) * 1e3
+            self.draft_ms = ms if self.draft_ms is None else 0.9 * self.draft_ms + 0.1 * ms
             r = 0
             for (_, t), pick in zip(grow, picks):
                 for n in pick:
@@ -155,7 +190,12 @@ class EagleProposer(Proposer):
         # 3. the best max_nodes candidates by cumulative log-probability
         floor = math.log(self.p_min) if self.p_min > 0 else -math.inf
         for (st, s), t in zip(live, trees):
-            out[st.seq] = t.tree(st.tokens[-1], self.max_nodes, floor)
+            out[st.seq] = t.tree(st.tokens[-1], self.max_nodes, floor, self.costs if self.auto else None, self.min_gain)
+            if self.auto:
+                n = 0 if out[st.seq] is None else len(out[st.seq].tokens) - 1
+                self.sized["steps"] += 1
+                self.sized["drafts"] += n
+                self.sized["plain"] += n == 0
         return [out[st.seq] for st in states]
 
 
@@ -184,9 +224,16 @@ class _Growing:
             self.parent_feat.append(feat)
             self.by_depth.setdefault(d, []).append(n)
 
-    def tree(self, root: int, max_nodes: int, floor: float) -> Tree | None:
+    def tree(self, root: int, max_nodes: int, floor: float, costs: dict[int, float] | None = None,
+             min_gain: float = 1.0) -> Tree | None:
+        """The best `max_nodes` candidates at or above `floor` (log-probability); with `costs`, the best
+        prefix of them by predicted tokens per ms (policy.best_prefix)."""
         cands = [n for n in range(1, len(self.token)) if self.score[n] >= floor]
-        keep = set(sorted(cands, key=lambda n: (-self.score[n], self.depth_of[n], n))[:max_nodes])
+        ranked = sorted(cands, key=lambda n: (-self.score[n], self.depth_of[n], n))[:max_nodes]
+        if costs is not None:
+            from components.proposer.policy import best_prefix
+            ranked = ranked[:best_prefix([math.exp(self.score[n]) for n in ranked], costs, min_gain)]
+        keep = set(ranked)
         keep = {n for n in keep if all(a in keep for a in self.ancestors(n))}
         if not keep:
             return None

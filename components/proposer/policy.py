@@ -81,19 +81,37 @@ def choose(order: list[tuple[tuple[int, ...], float]], costs: dict[int, float], 
     return {**best, "choices": [list(path) for path, _ in order[:best["nodes"]]], "table": rows}
 
 
-def size_tree(backbone, order: list[tuple[tuple[int, ...], float]], proposal_ms: float, cache_key: str,
-              min_gain: float = 1.0) -> dict:
-    """`choose` with this machine's step costs, measured once and cached (keyed by the machine, the
-    precision and the paths)."""
+def best_prefix(probs: list[float], costs: dict[int, float], min_gain: float = 1.0) -> int:
+    """Per step: how many of the drafts, ranked by their estimated acceptance probability `probs`
+    (descending; for a dynamic draft its cumulative draft probability), to verify: the n with the
+    best predicted tokens per ms, (1 + sum of the first n probs) / step_ms(n), or 0 (a plain step)
+    unless that beats plain decoding by `min_gain`."""
+    plain = costs[0]
+    best, best_rate, accept = 0, min_gain / plain, 1.0
+    for n, p in enumerate(probs, 1):
+        accept += p
+        rate = accept / interpolate(costs, n)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
+
+
+def measured_costs(backbone, order: list[tuple[int, ...]], proposal_ms: float, cache_key: str) -> dict[int, float]:
+    """`step_costs`, measured once per machine, precision, thread count and `cache_key`, then cached
+    beside the kernel plans."""
     from components.model.kernels import machine_key
     from components.model.load import cache_dir
-    model = backbone.model
-    key = f"{machine_key(model)}-{cache_key}"
-    path = cache_dir() / f"tree-costs-{key}.json"
+    path = cache_dir() / f"tree-costs-{machine_key(backbone.model)}-{cache_key}.json"
     if path.is_file():
-        costs = {int(k): v for k, v in json.loads(path.read_text()).items()}
-    else:
-        costs = step_costs(model, [p for p, _ in order], proposal_ms)
-        atomic_write(path, json.dumps(costs))
-    return {**choose(order, costs, min_gain), "step_ms_by_drafts": costs, "precision": model.precision,
+        return {int(k): v for k, v in json.loads(path.read_text()).items()}
+    costs = step_costs(backbone.model, order, proposal_ms)
+    atomic_write(path, json.dumps(costs))
+    return costs
+
+
+def size_tree(backbone, order: list[tuple[tuple[int, ...], float]], proposal_ms: float, cache_key: str,
+              min_gain: float = 1.0) -> dict:
+    """`choose` with this machine's step costs (keyed by the machine, the precision and the paths)."""
+    costs = measured_costs(backbone, [p for p, _ in order], proposal_ms, cache_key)
+    return {**choose(order, costs, min_gain), "step_ms_by_drafts": costs, "precision": backbone.model.precision,
             "min_gain": min_gain}
