@@ -142,7 +142,7 @@ def test_tree_eagle_sized_per_step_is_lossless(trained, tiny_backbone, tmp_path,
     def measure(self):
         original(self)
         if regime != "measured":
-            self.costs = {n: 1.0 if regime == "rows_free" or n == 0 else 1e3 for n in self.costs}
+            self.costs = {n: 1e3 if regime == "rows_free" or n > 0 else 1.0 for n in self.costs}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(EagleProposer, "_measure", measure)
         metrics, objs = decode(cfg, tiny_backbone)
@@ -171,7 +171,7 @@ def test_a_new_benchmark_prompt_is_another_data_set(tmp_path, monkeypatch):
     training prompts gives another data directory, never a stale set under the old name."""
     import shutil
     import components.data.prompts as prompts
-    before = prompts.prompt_filter()
+    before, first = prompts.prompt_filter(), prompts.training_prompts(1)[0]
     bench = tmp_path / "prompts"
     shutil.copytree(prompts.BENCH_DIR, bench)
     (bench / "extra.jsonl").write_text(json.dumps({"prompt": prompts.training_prompts(1)[0]}) + "\n")
@@ -180,7 +180,7 @@ def test_a_new_benchmark_prompt_is_another_data_set(tmp_path, monkeypatch):
         f.cache_clear()
     try:
         assert prompts.prompt_filter() != before
-        assert not prompts.similar(prompts.training_prompts(1)[0])
+        assert first not in prompts.training_prompts(prompts.available_prompts())
     finally:
         monkeypatch.undo()
         for f in (prompts._benchmark, prompts._kept):

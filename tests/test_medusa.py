@@ -110,9 +110,19 @@ def test_data_grows_in_parts_and_reads_prefixes(tiny_backbone, tmp_path, monkeyp
     calls.clear()
     again = sd.build_self_distill(tiny_backbone, max_samples=11, **kw)
     assert calls == [1] and torch.equal(again.tokens, big.tokens)
-    _, val_big = big.split(0.3)
-    _, val_prefix = prefix.split(0.3)
+    head = sd.build_self_distill(tiny_backbone, max_samples=3, **kw)  # inside the first part
+    assert head.samples == 3 and torch.equal(head.tokens, big.tokens[:int(big.offsets[3])])
+    calls.clear()
+    wider = sd.build_self_distill(tiny_backbone, **{**kw, "batch_size": 3, "save_every": 2}, max_samples=14)
+    assert calls == [3] and torch.equal(wider.tokens[:big.tokens.numel()], big.tokens)  # parts of another size continue
+    train_big, val_big = big.split(0.3)
+    train_prefix, val_prefix = prefix.split(0.3)
     assert torch.equal(val_prefix.tokens, val_big.tokens[:val_prefix.tokens.numel()])
+    assert torch.equal(train_prefix.tokens, train_big.tokens[:train_prefix.tokens.numel()])
+    assert big.split(0.3, seed=1)[1].offsets.diff().tolist() != val_big.offsets.diff().tolist()  # the seed matters
+    (out / "part-000004-000006.safetensors").unlink()  # a gap: an error, never a silent shortfall
+    with pytest.raises(RuntimeError, match="does not continue"):
+        sd._first(out, 11)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from components.data.prompts import prompt_filter, training_prompts
@@ -37,12 +38,14 @@ class DistillSet:
         return self.offsets.numel() - 1
 
     def split(self, val_fraction: float, seed: int = 0) -> tuple["DistillSet", "DistillSet"]:
-        """Split by sample (never inside one answer). Whether sample i is held out depends on i
-        alone, so the first n answers of a larger set hold out the same answers as a set of n."""
+        """Split by sample (never inside one answer), holding out about `val_fraction` of them.
+        Whether sample i is held out depends on i and the seed alone, so the first n answers of a
+        larger set hold out exactly the larger set's held-out answers among them (a set too small to
+        hold out any by that rule holds out its first-ranked one)."""
         if self.samples < 2:
             return self, self.subset(torch.zeros(0, dtype=torch.long))
         idx = torch.arange(self.samples)
-        u = ((idx * 2654435761 + seed * 40503 + 12345) % 2**32).double() / 2**32
+        u = ((idx * 2654435761 + seed * 0x9E3779B9 + 12345) % 2**32).double() / 2**32  # low-discrepancy in i
         val = u < val_fraction
         if not val.any():
             val[u.argmin()] = True
@@ -136,36 +139,58 @@ def _generate(backbone, out: Path, config: dict, max_samples: int, chunk: int, b
         bar.update(end - start)
         bar.set_postfix(tokens=sum(len(t) for t, _ in samples))
     bar.close()
-    tokens = sum(int(load_file(p)["offsets"][-1]) for _, _, p in parts(out))
-    atomic_write(out / "manifest.json", json.dumps({"answers": covered(out), "tokens": tokens}, indent=2))
+    answers = covered(out)
+    tokens = sum(int(offsets[-1]) for _, _, offsets in _reading(out, answers))
+    atomic_write(out / "manifest.json", json.dumps({"answers": answers, "tokens": tokens}, indent=2))
 
 
-def _first(out: Path, n: int) -> DistillSet:
-    """The first `n` answers, from the parts that cover them."""
-    sets, end = [], 0
+def _offsets(path: Path) -> torch.Tensor:
+    with safe_open(path, "pt") as f:
+        return f.get_tensor("offsets")
+
+
+def _reading(out: Path, n: int) -> list[tuple[Path, int, torch.Tensor]]:
+    """The parts that hold answers 0..n-1, each with how many of its answers to read and its
+    offsets. Parts are contiguous (one generator at a time, under the lock, starts where the
+    saved ones end); a gap, a short part or too few answers is an error, never a silent shortfall."""
+    plan, end = [], 0
     for a, b, p in parts(out):
         if end >= n:
             break
-        if b <= end:
-            continue  # a part inside what is already read (parts of an earlier chunk size)
-        ds = _load(p)
-        if (end - a, min(b, n) - a) != (0, ds.samples):
-            ds = ds.subset(torch.arange(end - a, min(b, n) - a))
-        sets.append(ds)
+        offsets = _offsets(p)
+        if a != end or offsets.numel() - 1 != b - a:
+            raise RuntimeError(f"{out}: part {p.name} does not continue the answers before it (at {end}) or is "
+                               "short: delete it and rerun to regenerate it")
+        plan.append((p, min(b, n) - a, offsets))
         end = min(b, n)
-    return _merge(sets)
+    if end < n:
+        raise RuntimeError(f"{out}: {end} answers saved, {n} asked for: rerun to generate the rest")
+    return plan
+
+
+def _first(out: Path, n: int) -> DistillSet:
+    """The first `n` answers, copied part by part into tensors allocated once."""
+    plan = _reading(out, n)
+    lengths = torch.cat([offsets[:k + 1].diff() for _, k, offsets in plan])
+    total = int(lengths.sum())
+    with safe_open(plan[0][0], "pt") as f:
+        row = f.get_slice("hidden")[:1]  # dim and dtype
+    hidden = torch.empty(total, row.shape[-1], dtype=row.dtype)
+    tokens = torch.empty(total, dtype=torch.long)
+    at = 0
+    for p, k, offsets in plan:
+        m = int(offsets[k])
+        with safe_open(p, "pt") as f:
+            hidden[at:at + m] = f.get_slice("hidden")[:m]
+            tokens[at:at + m] = f.get_slice("tokens")[:m]
+        at += m
+    return DistillSet(tokens, hidden, torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0))))
 
 
 def _pack(samples) -> DistillSet:
     lengths = torch.tensor([len(t) for t, _ in samples], dtype=torch.long)
     return DistillSet(torch.tensor([x for t, _ in samples for x in t], dtype=torch.long),
                       torch.cat([h for _, h in samples]), torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0))))
-
-
-def _merge(sets: list[DistillSet]) -> DistillSet:
-    lengths = torch.cat([s.offsets.diff() for s in sets])
-    return DistillSet(torch.cat([s.tokens for s in sets]), torch.cat([s.hidden for s in sets]),
-                      torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0))))
 
 
 def _write(path: Path, ds: DistillSet) -> None:
@@ -175,8 +200,3 @@ def _write(path: Path, ds: DistillSet) -> None:
 
 def _save(path: Path, samples) -> None:
     _write(path, _pack(samples))
-
-
-def _load(path: Path) -> DistillSet:
-    t = load_file(path)
-    return DistillSet(t["tokens"], t["hidden"], t["offsets"])

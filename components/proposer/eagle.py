@@ -16,11 +16,13 @@ sequence at once (one packed draft forward per depth, `StepBatch` as in the targ
    are dropped. The draft's tentative slots are discarded.
 
 With `nodes: auto` the size is chosen per step and per sequence, on this machine's measured cost of
-a verification step with n drafts (components/proposer/policy.py, measured once and cached): the
-best n by predicted tokens per ms, taking each draft's cumulative draft probability as its chance
-of acceptance (EAGLE-2's observation: the draft's confidence is calibrated), 0 (a plain step)
-when no n beats plain decoding; and a depth is drafted only while the expansion's probability
-mass could pay for the draft forward it costs (measured as the run goes).
+a verification step with n drafts at batch 1 (components/proposer/policy.py, measured once and
+cached): the best n by predicted tokens per ms, taking each draft's cumulative draft probability as
+its chance of acceptance (EAGLE-2's observation: the draft's confidence is calibrated), 0 (a plain
+step) when no n beats plain decoding; and a depth is drafted only while the expanded nodes'
+probability mass could pay for their share of the draft forward (the median of the last 16 draft
+forwards). The drafting already done is paid even when the step ends plain; the speculation guard
+(pipeline/core/guard.py) pauses drafting while trees lose.
 
 Verification is the target's (any verifier). Drafts are deterministic (top-k), so exact
 speculative sampling treats them as one-hot q.
@@ -60,6 +62,9 @@ class EagleProposer(Proposer):
         for name, v in (("width", width), ("depth", depth), ("max_nodes", max_nodes)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise UserError(f"proposer.{name} (tree.{name}) must be a positive int, got {v}")
+        if not isinstance(min_gain, (int, float)) or isinstance(min_gain, bool) or min_gain < 1:
+            raise UserError(f"proposer.min_gain must be a number >= 1 (a tree must be predicted at least as fast "
+                            f"as a plain step), got {min_gain!r}")
         if nodes not in (None, "auto"):
             raise UserError(f"proposer.nodes must be auto (sized per step on measured costs) or null (always "
                             f"max_nodes), got {nodes!r}")
@@ -79,8 +84,10 @@ class EagleProposer(Proposer):
         self.policy = None
         self.backbone, self.auto, self.min_gain = backbone, nodes == "auto", float(min_gain)
         self.costs: dict[int, float] | None = None  # ms of a verification step by drafts (nodes=auto)
-        self.draft_ms: float | None = None  # running mean of one draft forward (nodes=auto)
+        self.draft_ms: list[float] = []  # the last draft forwards' wall times (nodes=auto)
         self.sized = {"steps": 0, "drafts": 0, "plain": 0}
+        if self.auto:
+            self._measure()
 
     @property
     def tree_spec(self) -> dict:
@@ -91,6 +98,11 @@ class EagleProposer(Proposer):
             spec.update(nodes="auto", min_gain=self.min_gain, step_ms_by_drafts=self.costs,
                         mean_drafts=self.sized["drafts"] / steps, plain_step_share=self.sized["plain"] / steps)
         return spec
+
+    def _timed(self, t0: float) -> None:
+        """nodes=auto: keep the last 16 draft forwards' times (their median gates deeper drafting)."""
+        if self.auto:
+            self.draft_ms = [*self.draft_ms[-15:], (time.perf_counter() - t0) * 1e3]
 
     def _measure(self) -> None:
         """nodes=auto: this machine's cost of a verification step with n drafts (a chain: the cost is
@@ -125,8 +137,6 @@ class EagleProposer(Proposer):
 
     @torch.inference_mode()
     def propose_all(self, states: list[DecodeState]) -> list[Tree | None]:
-        if self.auto and self.costs is None:
-            self._measure()
         live = [(st, self.seqs[st.seq]) for st in states if st.seq in self.seqs and self.seqs[st.seq].tokens]
         out: dict[int, Tree | None] = {st.seq: None for st in states}
         if not live:
@@ -135,12 +145,14 @@ class EagleProposer(Proposer):
         kv, draft = self.kv, self.draft
         batch = StepBatch.build([s.dseq for _, s in live], [torch.tensor(s.tokens) for _, s in live],
                                 [None] * len(live), [None] * len(live), [kv.used(s.dseq) for _, s in live])
+        t0 = time.perf_counter()
         f = draft.step(batch, kv, torch.cat([torch.cat(s.feats) for _, s in live]))
         roots = f[[o - 1 for o in batch.offsets[1:]]]  # (B, dim)
         for _, s in live:
             kv.commit(s.dseq)
             s.feats, s.tokens = [], []
-        logp = torch.log_softmax(draft.logits(roots), dim=-1)  # (B, V')
+        logp = torch.log_softmax(draft.logits(roots), dim=-1).cpu()  # (B, V'); on the host: synchronised
+        self._timed(t0)
         # per sequence: nodes as (token, parent node, depth, cumulative log p, feature of the parent)
         trees = []
         for b, (st, s) in enumerate(live):
@@ -155,8 +167,9 @@ class EagleProposer(Proposer):
         for d in range(2, self.depth + 1):
             grow = [(b, t) for b, t in enumerate(trees) if t.depth >= d and t.frontier(d - 1)]
             picks = [heapq.nlargest(self.width, t.frontier(d - 1), key=lambda n: t.score[n]) for _, t in grow]
-            if self.auto and self.draft_ms is not None:  # grow only where the new nodes' mass pays the forward
-                worth = [sum(math.exp(t.score[n]) for n in pick) * self.costs[0] > self.draft_ms for (_, t), pick in zip(grow, picks)]
+            if self.auto and self.draft_ms and grow:  # grow only where the new nodes' mass pays its share of the forward
+                share = sorted(self.draft_ms)[len(self.draft_ms) // 2] / len(grow)
+                worth = [sum(math.exp(t.score[n]) for n in pick) * self.costs[0] > share for (_, t), pick in zip(grow, picks)]
                 grow, picks = [g for g, w in zip(grow, worth) if w], [p for p, w in zip(picks, worth) if w]
             if not grow:
                 break
@@ -177,9 +190,8 @@ class EagleProposer(Proposer):
                 for i, n in enumerate(pick):
                     t.slot[n] = st - base + i
             f = draft.step(batch, kv, torch.stack([t.parent_feat[n] for (_, t), pick in zip(grow, picks) for n in pick]))
-            lp = torch.log_softmax(draft.logits(f), dim=-1)
-            ms = (time.perf_counter() - t0) * 1e3
-            self.draft_ms = ms if self.draft_ms is None else 0.9 * self.draft_ms + 0.1 * ms
+            lp = torch.log_softmax(draft.logits(f), dim=-1).cpu()
+            self._timed(t0)
             r = 0
             for (_, t), pick in zip(grow, picks):
                 for n in pick:
@@ -191,7 +203,7 @@ class EagleProposer(Proposer):
         floor = math.log(self.p_min) if self.p_min > 0 else -math.inf
         for (st, s), t in zip(live, trees):
             out[st.seq] = t.tree(st.tokens[-1], self.max_nodes, floor, self.costs if self.auto else None, self.min_gain)
-            if self.auto:
+            if self.auto and t.depth >= 1:  # a step that could have had a tree
                 n = 0 if out[st.seq] is None else len(out[st.seq].tokens) - 1
                 self.sized["steps"] += 1
                 self.sized["drafts"] += n

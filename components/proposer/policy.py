@@ -85,9 +85,9 @@ def best_prefix(probs: list[float], costs: dict[int, float], min_gain: float = 1
     """Per step: how many of the drafts, ranked by their estimated acceptance probability `probs`
     (descending; for a dynamic draft its cumulative draft probability), to verify: the n with the
     best predicted tokens per ms, (1 + sum of the first n probs) / step_ms(n), or 0 (a plain step)
-    unless that beats plain decoding by `min_gain`."""
+    unless that beats plain decoding by `min_gain` (at least 1: never a tree predicted slower)."""
     plain = costs[0]
-    best, best_rate, accept = 0, min_gain / plain, 1.0
+    best, best_rate, accept = 0, max(1.0, min_gain) / plain, 1.0
     for n, p in enumerate(probs, 1):
         accept += p
         rate = accept / interpolate(costs, n)
