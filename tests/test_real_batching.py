@@ -25,7 +25,7 @@ RUNS = [("float32", "greedy", "paged", 8), ("float32", "tree_ngram", "contiguous
         ("bfloat16", "greedy", "contiguous", 8), ("bfloat16", "tree_medusa", "paged", 1),
         ("float32", "tree_eagle", "paged", 8)]
 PROMPTS = {"float32": 12, "q4": 12, "bfloat16": 8}  # bfloat16 is the slowest mode on one test thread
-FEWER = {"tree_eagle": 8}  # prompts for presets whose 16-draft float32 trees are the suite's slowest run
+FEWER = {"tree_eagle": 8, "self_spec": 8}  # prompts for the slowest runs (16-draft float32 trees, self-speculation)
 
 _backbones: dict = {}
 _reference: dict = {}
