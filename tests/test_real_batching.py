@@ -1,5 +1,5 @@
 """The lossless invariant on the real model, in every precision: on the first 12 of the 24 benchmark
-prompts x 64 tokens (tree_eagle: the first 8; bfloat16: 8), greedy at batch 8 and every tree preset (tree_medusa and tree_eagle
+prompts x 64 tokens (tree_eagle and self_spec: the first 8; bfloat16: 8), greedy at batch 8 and every tree preset (tree_medusa and tree_eagle
 with the shipped drafts) give the tokens of plain greedy decoding (batch 1)
 in the same precision, with kv=paged and kv=contiguous, with batch_size=8 and batch_size=1.
 
