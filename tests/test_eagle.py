@@ -103,7 +103,7 @@ def test_tree_eagle_is_lossless_and_frees_its_cache(trained, tiny_backbone, tmp_
     from pipeline.decode import decode
     path, _, _ = trained
     cfg = compose_config(["decode=tree_eagle", "model=tiny", f"proposer.checkpoint={path}", "tree.width=3",
-                          "tree.depth=4", "tree.max_nodes=10", "max_new_tokens=32", "stream=false",
+                          "tree.depth=4", "tree.max_nodes=10", "proposer.nodes=null", "max_new_tokens=32", "stream=false",
                           f"batch_size={batch}", "verify_lossless=true", "chat=false"], output_dir=tmp_path,
                          input=str(tmp_path / "in.jsonl"))
     prompts = ["one two three one two three", "hello there", "the cat sat on the mat, the cat", "a b a b a b"]

@@ -64,7 +64,7 @@ def test_bench_prompts_equal_plain_greedy(real_backbone, bench_prompts, dtype, p
     reference = plain_greedy(bb, dtype, bench_prompts[:PROMPTS[dtype]])[:n]  # one reference per precision
     bench_prompts = bench_prompts[:n]
     forced = {"tree_medusa": ["proposer.nodes=null"],  # the installed tree, whatever pays here
-              "tree_eagle": ["tree.width=4", "tree.depth=4", "tree.max_nodes=16"],  # an EAGLE-2 tree, not one draft
+              "tree_eagle": ["tree.width=4", "tree.depth=4", "tree.max_nodes=16", "proposer.nodes=null"],  # a 16-draft EAGLE-2 tree
               }.get(preset, [])
     cfg = compose_config([f"decode={preset}", f"kv={kv}", f"batch_size={batch}", "max_new_tokens=64",
                           f"model.dtype={dtype}", *forced])
