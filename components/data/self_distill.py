@@ -116,7 +116,18 @@ def build_self_distill(backbone, max_samples: int = 2000, max_new_tokens: int = 
         with open(out / ".lock", "w") as lock:  # one process generates; others (DDP ranks) wait, then load
             fcntl.flock(lock, fcntl.LOCK_EX)
             _generate(backbone, out, config, max_samples, batch_size * save_every, batch_size)
+    _note(out)
     return _first(out, max_samples)
+
+
+def _note(out: Path) -> None:
+    """manifest.json: the answers saved so far (the contiguous prefix) and their tokens; rewritten
+    when it no longer says so (a job interrupted after its last part)."""
+    answers, path = covered(out), out / "manifest.json"
+    if path.is_file() and json.loads(path.read_text()).get("answers") == answers:
+        return
+    tokens = sum(int(offsets[-1]) for _, _, offsets in _reading(out, answers))
+    atomic_write(path, json.dumps({"answers": answers, "tokens": tokens}, indent=2))
 
 
 def _generate(backbone, out: Path, config: dict, max_samples: int, chunk: int, batch_size: int) -> None:
@@ -139,9 +150,6 @@ def _generate(backbone, out: Path, config: dict, max_samples: int, chunk: int, b
         bar.update(end - start)
         bar.set_postfix(tokens=sum(len(t) for t, _ in samples))
     bar.close()
-    answers = covered(out)
-    tokens = sum(int(offsets[-1]) for _, _, offsets in _reading(out, answers))
-    atomic_write(out / "manifest.json", json.dumps({"answers": answers, "tokens": tokens}, indent=2))
 
 
 def _offsets(path: Path) -> torch.Tensor:
