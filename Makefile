@@ -45,7 +45,7 @@ heads: setup
 	mkdir -p $(SHIP)
 	cp outputs/train/shipped/heads.safetensors outputs/train/shipped/metrics.json outputs/train/shipped/train_config.yaml $(SHIP)/
 	$(PY) -m pipeline.tree_search search.install=true hydra.run.dir=outputs/tree_search/shipped
-	$(PY) -m pipeline.train heads=eagle trainer.max_steps=1500 checkpoint_every=100 hydra.run.dir=outputs/train/shipped_eagle
+	$(PY) -m pipeline.train heads=eagle data.max_samples=8896 trainer.max_steps=600 checkpoint_every=100 hydra.run.dir=outputs/train/shipped_eagle  # ~1M tokens
 	cp outputs/train/shipped_eagle/heads.safetensors $(SHIP)/eagle.safetensors
 	cp outputs/train/shipped_eagle/metrics.json $(SHIP)/eagle_metrics.json
 	cp outputs/train/shipped_eagle/train_config.yaml $(SHIP)/eagle_train_config.yaml
