@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from components.heads.eagle import EagleDraft
+from components.proposer.policy import best_prefix, measured_costs
 from pipeline.core import DecodeState, Proposer, StepBatch, Tree, UserError
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "checkpoints"
@@ -107,7 +108,6 @@ class EagleProposer(Proposer):
     def _measure(self) -> None:
         """nodes=auto: this machine's cost of a verification step with n drafts (a chain: the cost is
         the rows'), measured once per machine, precision and max_nodes, then cached."""
-        from components.proposer.policy import measured_costs
         chain = [(0,) * k for k in range(1, self.max_nodes + 1)]
         self.costs = measured_costs(self.backbone, chain, 0.0, f"eagle-chain{self.max_nodes}")
 
@@ -243,7 +243,6 @@ class _Growing:
         cands = [n for n in range(1, len(self.token)) if self.score[n] >= floor]
         ranked = sorted(cands, key=lambda n: (-self.score[n], self.depth_of[n], n))[:max_nodes]
         if costs is not None:
-            from components.proposer.policy import best_prefix
             ranked = ranked[:best_prefix([math.exp(self.score[n]) for n in ranked], costs, min_gain)]
         keep = set(ranked)
         keep = {n for n in keep if all(a in keep for a in self.ancestors(n))}

@@ -75,9 +75,7 @@ def choose(order: list[tuple[tuple[int, ...], float]], costs: dict[int, float], 
         accept += p
         ms = interpolate(costs, n)
         rows.append({"nodes": n, "expected_accept_length": accept, "step_ms": ms, "expected_speedup": accept / ms * plain})
-    best = max(rows, key=lambda r: r["expected_speedup"])
-    if best["expected_speedup"] < min_gain:
-        best = rows[0]
+    best = rows[best_prefix([p for _, p in order], costs, min_gain)]
     return {**best, "choices": [list(path) for path, _ in order[:best["nodes"]]], "table": rows}
 
 
