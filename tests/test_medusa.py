@@ -121,7 +121,7 @@ def test_data_grows_in_parts_and_reads_prefixes(tiny_backbone, tmp_path, monkeyp
     assert torch.equal(train_prefix.tokens, train_big.tokens[:train_prefix.tokens.numel()])
     assert big.split(0.3, seed=1)[1].offsets.diff().tolist() != val_big.offsets.diff().tolist()  # the seed matters
     (out / "part-000004-000006.safetensors").unlink()  # a gap: an error, never a silent shortfall
-    with pytest.raises(RuntimeError, match="does not continue"):
+    with pytest.raises(UserError, match="does not continue"):
         sd._first(out, 11)
 
 

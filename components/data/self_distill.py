@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from components.data.prompts import prompt_filter, training_prompts
-from pipeline.core import Engine, atomic_write, encode_chat
+from pipeline.core import Engine, UserError, atomic_write, encode_chat
 
 
 @dataclass
@@ -167,12 +167,12 @@ def _reading(out: Path, n: int) -> list[tuple[Path, int, torch.Tensor]]:
             break
         offsets = _offsets(p)
         if a != end or offsets.numel() - 1 != b - a:
-            raise RuntimeError(f"{out}: part {p.name} does not continue the answers before it (at {end}) or is "
+            raise UserError(f"{out}: part {p.name} does not continue the answers before it (at {end}) or is "
                                "short: delete it and rerun to regenerate it")
         plan.append((p, min(b, n) - a, offsets))
         end = min(b, n)
     if end < n:
-        raise RuntimeError(f"{out}: {end} answers saved, {n} asked for: rerun to generate the rest")
+        raise UserError(f"{out}: {end} answers saved, {n} asked for: rerun to generate the rest")
     return plan
 
 
