@@ -85,7 +85,7 @@ class SlowSteps:
     (slept, so the curve, not this machine's load, sets the timings: the test checks the prediction
     machinery, not a speed)."""
 
-    def __init__(self, model, base_ms: float = 30.0, per_row_ms: float = 3.0):
+    def __init__(self, model, base_ms: float = 60.0, per_row_ms: float = 6.0):
         self.model, self.base, self.per_row = model, base_ms, per_row_ms
 
     def __getattr__(self, name):
@@ -136,12 +136,14 @@ def test_policy_prediction_is_within_15_percent_of_the_measured_speedup(tiny_bac
     spec = engine(Oracle())
     spec.generate(ids)
     import time
-    t = time.perf_counter()
-    got = spec.generate(ids)
-    spec_s = time.perf_counter() - t
-    t = time.perf_counter()
-    plain.generate(ids)
-    plain_s = time.perf_counter() - t
+
+    def seconds(e):  # best of two, interleaved: another test's load on a shared core only adds time
+        t = time.perf_counter()
+        gen = e.generate(ids)
+        return time.perf_counter() - t, gen
+
+    (s1, got), (p1, _), (s2, _), (p2, _) = seconds(spec), seconds(plain), seconds(spec), seconds(plain)
+    spec_s, plain_s = min(s1, s2), min(p1, p2)
     assert got.token_ids == ref.token_ids
     measured = (len(got.token_ids) / spec_s) / (len(ref.token_ids) / plain_s)
     order = [((0,), 1.0), ((0, 0), 1.0), ((0, 0, 0), 0.0)]
