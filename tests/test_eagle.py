@@ -89,6 +89,42 @@ def test_cached_step_equals_the_training_forward(tiny_backbone):
     torch.testing.assert_close(torch.cat(outs), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_unrolled_training_sees_what_a_drafted_chain_sees(tiny_backbone):
+    """The training-time test (EagleDraft.unrolled) at depth j from chain start i equals the forward over
+    the true pairs up to i followed by the draft's own predictions: the cache a depth-j draft reads
+    (and the forward equals the cached step: the test above)."""
+    torch.manual_seed(0)
+    bb = tiny_backbone
+    draft = build_eagle(bb, torch.ones(bb.model.args.vocab_size, dtype=torch.long), draft_vocab=None).eval()
+    T, D = 9, 4
+    feats, toks = torch.randn(2, T, bb.model.args.dim), torch.randint(0, 1000, (2, T))
+    with torch.no_grad():
+        preds = draft.unrolled(feats, toks, D)
+        torch.testing.assert_close(preds[0], draft(feats, toks), atol=1e-5, rtol=1e-5)
+        for i in (0, 3, T - D):
+            f = feats[:, :i + 1]
+            for j in range(D):
+                ref = draft(f, toks[:, :i + j + 1])[:, -1]  # depth j of the chain from i
+                torch.testing.assert_close(preds[j][:, i + j], ref, atol=1e-5, rtol=1e-5)
+                f = torch.cat((f, ref[:, None]), dim=1)
+
+
+def test_training_time_test_trains_from_a_draft(trained, tmp_path):
+    """heads.init=<draft> goes on training it (its vocabulary kept) with module.unroll; validation
+    reports each depth's top-1 and the greedy chain's accepted length."""
+    from pipeline.train import train
+    path, _, objs = trained
+    cfg = compose_config([*TRAIN, "trainer.max_steps=2", f"heads.init={path}", "module.unroll=3", "module.eval_depth=4",
+                          f"data.root={path.parent.parent / 'data'}"], config_name="train", output_dir=tmp_path / "run")
+    metrics, new = train(cfg)
+    assert torch.equal(new["heads"].vocab_ids, objs["heads"].vocab_ids)
+    assert {f"val/depth{j}_top1" for j in (1, 2, 3, 4)} <= set(metrics)
+    assert 1.0 <= metrics["val/chain"] <= 5.0
+    assert metrics["val/depth1_top1"] == pytest.approx(metrics["val/head1_top1"])
+    with pytest.raises(UserError, match="heads.init"):
+        train(compose_config([*TRAIN, "heads.init=elsewhere"], config_name="train", output_dir=tmp_path / "bad"))
+
+
 def test_dynamic_tree_keeps_the_best_candidates_as_a_tree():
     g = _Growing(depth=3)
     g.add_children(0, torch.log(torch.tensor([0.6, 0.3, 0.1])), 3, torch.tensor([10, 11, 12]), torch.zeros(2))
@@ -98,22 +134,28 @@ def test_dynamic_tree_keeps_the_best_candidates_as_a_tree():
     assert g.tree(root=5, max_nodes=8, floor=torch.log(torch.tensor(0.5)).item()).tokens.tolist() == [5, 10, 20]
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_tree_eagle_is_lossless_and_frees_its_cache(trained, tiny_backbone, tmp_path, batch):
+@pytest.mark.parametrize("batch,dtype", [(1, "float32"), (3, "float32"), (3, "q4")])
+def test_tree_eagle_is_lossless_and_frees_its_cache(trained, tiny_backbone, tmp_path, batch, dtype):
+    """Beside a q4 backbone the draft itself runs in 4 bits (only which tokens are proposed changes)."""
+    from components.model.linear import Int4
+    from components.model.load import tiny
     from pipeline.decode import decode
     path, _, _ = trained
     cfg = compose_config(["decode=tree_eagle", "model=tiny", f"proposer.checkpoint={path}", "tree.width=3",
                           "tree.depth=4", "tree.max_nodes=10", "proposer.nodes=null", "max_new_tokens=32", "stream=false",
-                          f"batch_size={batch}", "verify_lossless=true", "chat=false"], output_dir=tmp_path,
-                         input=str(tmp_path / "in.jsonl"))
+                          f"batch_size={batch}", "verify_lossless=true", "chat=false", f"model.dtype={dtype}"],
+                         output_dir=tmp_path, input=str(tmp_path / "in.jsonl"))
     prompts = ["one two three one two three", "hello there", "the cat sat on the mat, the cat", "a b a b a b"]
     (tmp_path / "in.jsonl").write_text("".join(f'{{"id": "r{i}", "prompt": "{p}"}}\n' for i, p in enumerate(prompts)))
-    metrics, objs = decode(cfg, tiny_backbone)
+    backbone = tiny_backbone if dtype == "float32" else tiny(dtype=dtype)
+    metrics, objs = decode(cfg, backbone)
     assert metrics["lossless"], [it.get("first_divergence") for it in objs["results"]["items"]]
     assert metrics["tree_steps"] > 0  # the draft did propose trees
     engine = objs["engine"]
     assert isinstance(engine.proposer, EagleProposer) and not engine.proposer.kv.sequences
     assert objs["results"]["summary"]["tree"]["dynamic"]
+    assert isinstance(engine.proposer.draft.block.w2, Int4) == (dtype == "q4")
+    assert objs["results"]["summary"]["tree"]["draft_storage"] == ("q4" if dtype == "q4" else "float32")
 
 
 def test_best_prefix_maximises_predicted_tokens_per_ms():

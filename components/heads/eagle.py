@@ -8,11 +8,15 @@ f_{t+1}; the frozen backbone LM head, restricted to a draft vocabulary (EAGLE-3'
 vocabulary: the answers' most frequent tokens), turns a predicted feature into draft tokens. Drafting
 deeper feeds the predicted feature back with the drafted token's embedding (EAGLE-1/2).
 
-Training (components/heads/module.py: EagleModule) on self-distilled answers, teacher-forced:
+Training (components/heads/module.py: EagleModule) on self-distilled answers:
 loss = smooth-L1(f_hat_{t+1}, f_{t+1}) + ce_weight x CE(LM head(f_hat_{t+1}), y_{t+2}) (EAGLE-1), with
-uniform noise on the input features (what the draft sees at depth > 1 is its own prediction).
+uniform noise on the input features, teacher-forced (`module.unroll: 1`), or unrolled over `unroll`
+depths as drafting runs (EAGLE-3's training-time test, `EagleDraft.unrolled`): at depth j > 1 the
+draft reads its own depth j-1 prediction and attends to the true positions up to the chain's start
+and to its own earlier depths, exactly the cache a drafted chain sees.
 The layer starts as a copy of the backbone's last block (de-quantized), the projection as
-[identity | 0]: at step 0 the draft already predicts roughly what the last block would.
+[identity | 0]: at step 0 the draft already predicts roughly what the last block would
+(`heads.init=<draft.safetensors>` starts from a trained draft instead).
 """
 from __future__ import annotations
 
@@ -55,6 +59,7 @@ class EagleDraft(nn.Module):
         self.register_buffer("embedding", embedding.float().clone(), persistent=False)  # (vocab, dim)
         self.register_buffer("inv_freq", rope_inv_freq(self.args).float(), persistent=False)
         self._lm_t: torch.Tensor | None = None
+        self._lm_q4: nn.Module | None = None  # quantize_for_decoding
 
     STORED = ("fc.weight", "norm.weight", "vocab_ids")  # plus every block.* tensor
 
@@ -92,19 +97,70 @@ class EagleDraft(nn.Module):
             return y.transpose(1, 2).reshape(B, T, -1)
         return self.norm(self.block(x, cos, sin, attend))
 
+    def unrolled(self, feats: torch.Tensor, tokens: torch.Tensor, depth: int,
+                 mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Training-time test: drafting `depth` deep from every position at once. feats (B, T, dim) = f_t,
+        tokens (B, T) = y_{t+1}; mask (B, T) bool, False past an answer's end (keys there are never read).
+        Returns preds[j] (B, T, dim) for j = 0..depth-1: preds[j][:, q] is the draft's prediction of
+        f_{q+1} on the chain started at i = q - j, that is, having read the true (f_s, y_{s+1}) for
+        s <= i and its own predictions preds[k-1][:, i+k-1] with the true y_{i+k+1}, k = 1..j: what
+        `step` computes when drafting that chain (queries with q < j have no chain and are junk).
+        preds[0] is `forward`. Each depth's keys stay for the later depths, gradients flow through."""
+        B, T = tokens.shape
+        cos, sin = self.rope(torch.arange(T, device=feats.device)[None].expand(B, T))
+        q = torch.arange(T, device=feats.device)[:, None]
+        p = torch.arange(T, device=feats.device)[None]
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        preds: list[torch.Tensor] = []
+        f = feats.float()
+        for j in range(depth):
+            if j:
+                f = torch.cat((torch.zeros_like(preds[-1][:, :1]), preds[-1][:, :-1]), dim=1)  # f_hat at q-1
+            # the chain from i = q - j: true slots s <= i, then its own slot i + k at each depth k <= j
+            allowed = torch.cat([p <= q - j] + [p == q - j + k for k in range(1, j + 1)], dim=1)  # (T, (j+1) T)
+
+            def attend(layer, qh, k, v, allowed=allowed):
+                keys.append(k)
+                values.append(v)
+                K, V = torch.cat(keys, dim=1), torch.cat(values, dim=1)
+                y = F.scaled_dot_product_attention(qh.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2),
+                                                   attn_mask=allowed, enable_gqa=self.args.n_kv_heads != self.args.n_heads)
+                return y.transpose(1, 2).reshape(B, T, -1)
+            preds.append(self.norm(self.block(self.inputs(f, tokens), cos, sin, attend)))
+        return preds
+
     def logits(self, f: torch.Tensor) -> torch.Tensor:
         """(..., dim) predicted features -> (..., V') logits over the draft vocabulary."""
-        if self._lm_t is None or self.training:
+        if self.training:
             return f @ self.lm_weight.t()
+        if self._lm_q4 is not None:
+            return self._lm_q4(f)
+        if self._lm_t is None:
+            self._lm_t = self.lm_weight.t().contiguous()
         return f @ self._lm_t
+
+    def quantize_for_decoding(self) -> "EagleDraft":
+        """Decoding beside a q4 backbone: the layer's matrices and the draft LM head stored as the
+        backbone's are, 4-bit groups of 32 (components/model/linear.py `Int4`: the weight-only int4
+        kernel, bfloat16 inside, float32 around). Each draft depth then reads ~5 MB of weights, not ~36:
+        a depth costs a fraction of a verification row. A draft's rounding moves which tokens are
+        proposed, never which are committed. Not for training (the matrices are no longer parameters)."""
+        from components.model.linear import GROUP, Int4, quantize_q4
+        device = self.lm_weight.device
+        for name in Block.MATRICES:
+            m = getattr(self.block, name)
+            if m.in_features % GROUP == 0:
+                setattr(self.block, name, Int4(*quantize_q4(m.dense().t()), device=device))
+        if self.dim % GROUP == 0:
+            self._lm_q4 = Int4(*quantize_q4(self.lm_weight), device=device)
+        return self
 
     @torch.inference_mode()
     def step(self, batch, kv, feats: torch.Tensor) -> torch.Tensor:
         """Decoding: the rows of `batch` (StepBatch over the draft's own KV pool; `batch.tokens` are the
         y_{t+1}) with their features feats (R, dim) -> predicted features (R, dim); the rows become
         tentative slots of the draft cache."""
-        if self._lm_t is None:
-            self._lm_t = self.lm_weight.t().contiguous()
         x = self.inputs(feats, batch.tokens)[None]  # (1, R, dim)
         cos, sin = self.rope(batch.positions[None])
         attend = cached_attention(batch, kv, torch.float32, self.args.n_kv_heads != self.args.n_heads)
@@ -162,10 +218,13 @@ def backbone_embedding(backbone) -> torch.Tensor:
 def build_eagle(backbone, token_counts: torch.Tensor, draft_vocab: int | None = 8192, init: str = "last_block",
                 num_heads: int = 1) -> EagleDraft:
     """The `heads=eagle` target: a fresh draft for a backbone, its draft vocabulary chosen from the
-    training answers' token counts (V,); init = last_block (a copy of the backbone's last block) or
-    random."""
+    training answers' token counts (V,); init = last_block (a copy of the backbone's last block),
+    random, or the path of a trained draft (.safetensors) to go on training (its vocabulary kept)."""
     if init not in ("last_block", "random"):
-        raise ValueError(f"`heads.init` must be last_block or random, got {init!r}")
+        if not str(init).endswith(".safetensors"):
+            raise UserError(f"`heads.init` must be last_block, random or a draft .safetensors path, got {init!r}")
+        draft = EagleDraft.load(init, backbone)  # strict: a missing tensor or another backbone is an error
+        return draft.train().requires_grad_(True)
     vocab_ids = select_draft_vocab(token_counts, draft_vocab, backbone.eos_ids)
     model = backbone.model
     draft = EagleDraft(model.args, vocab_ids, draft_lm_weight(backbone, vocab_ids), backbone_embedding(backbone))

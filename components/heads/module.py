@@ -92,21 +92,32 @@ def warmup_cosine(optimizer, total_steps: int, warmup_steps: int = 50, min_ratio
 
 
 class EagleModule(L.LightningModule):
-    """EAGLE-1's loss on whole answers, teacher-forced: at position t the draft reads (f_t, y_{t+1})
-    and predicts f_{t+1}; loss = smooth-L1(f_hat_{t+1}, f_{t+1}) + ce_weight x CE over the draft
-    vocabulary of y_{t+2} from f_hat_{t+1}. A batch holds hidden (B, T, dim) with hidden[:, i] the
-    state that predicts tokens[:, i], and tokens (B, T), -100 past an answer's end. Input features get
-    uniform noise of `noise` x their RMS (the draft reads its own predictions when drafting deeper).
-    Logged: the loss terms, and top-1 / top-5 of y_{t+2} from the predicted feature (the depth-1
-    acceptance a greedy draft would see)."""
+    """The EAGLE draft's loss on whole answers. At position t the draft reads (f_t, y_{t+1}) and
+    predicts f_{t+1}; per depth, loss = smooth-L1(f_hat_{t+1}, f_{t+1}) + ce_weight x CE over the draft
+    vocabulary of y_{t+2} from f_hat_{t+1}. unroll = 1 is EAGLE-1 (teacher-forced); unroll = D > 1 is
+    EAGLE-3's training-time test: depths 1..D of every chain at once (EagleDraft.unrolled, the draft
+    reading its own predictions as when drafting), depth j weighted unroll_decay^(j-1), the sum
+    normalised. A batch holds hidden (B, T, dim) with hidden[:, i] the state that predicts tokens[:, i],
+    and tokens (B, T), -100 past an answer's end. Input features get uniform noise of `noise` x their
+    RMS. Logged: the loss terms; head1_top1 / head1_top5 of y_{t+2} from the predicted feature (the
+    depth-1 acceptance a greedy draft would see); on validation, depth{j}_top1 for j <= eval_depth
+    (the draft on its own features, true tokens before) and `chain`: the mean accepted length of a
+    greedy chain eval_depth deep (1 + the leading run of hits: the target's own token counts)."""
 
-    def __init__(self, heads, optimizer, scheduler=None, ce_weight: float = 0.1, noise: float = 0.1):
+    def __init__(self, heads, optimizer, scheduler=None, ce_weight: float = 0.1, noise: float = 0.1,
+                 unroll: int = 1, unroll_decay: float = 0.8, eval_depth: int = 5):
         super().__init__()
         if ce_weight < 0 or noise < 0:
             raise ValueError(f"`module.ce_weight` and `module.noise` must be >= 0, got {ce_weight}, {noise}")
+        if not isinstance(unroll, int) or unroll < 1 or not isinstance(eval_depth, int) or eval_depth < 1:
+            raise ValueError(f"`module.unroll` and `module.eval_depth` must be positive ints, got {unroll}, {eval_depth}")
+        if not 0 < unroll_decay <= 1:
+            raise ValueError(f"`module.unroll_decay` must be in (0, 1], got {unroll_decay}")
         self.heads = heads
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.ce_weight, self.noise = float(ce_weight), float(noise)
+        self.unroll, self.eval_depth = unroll, eval_depth
+        self.w = [unroll_decay ** j for j in range(unroll)]
         vocab = int(heads.vocab_ids.max()) + 1
         lookup = torch.full((max(vocab, 1),), -100, dtype=torch.long)
         lookup[heads.vocab_ids] = torch.arange(heads.vocab_ids.numel())
@@ -121,23 +132,44 @@ class EagleModule(L.LightningModule):
         if self.training and self.noise > 0:
             rms = f_in.pow(2).mean().sqrt()
             f_in = f_in + (torch.rand_like(f_in) - 0.5) * 2 * self.noise * rms
-        pred = self.heads(f_in, y_in)  # (B, T-1, dim)
-        n = valid.sum().clamp(min=1)
-        reg = (F.smooth_l1_loss(pred, f_next, reduction="none").mean(-1) * valid).sum() / n
-        logits = self.heads.logits(pred)  # (B, T-1, V')
+        depth = self.unroll if self.training else max(self.unroll, self.eval_depth)
+        preds = self.heads.unrolled(f_in, y_in, depth) if depth > 1 else [self.heads(f_in, y_in)]
         inside = valid & (y_next < self.to_draft.numel())
         dt = torch.where(inside, self.to_draft[y_next.clamp(0, self.to_draft.numel() - 1)], -100)
-        ce = torch.nan_to_num(F.cross_entropy(logits[dt >= 0], dt[dt >= 0])) if (dt >= 0).any() else logits.sum() * 0
-        loss = reg + self.ce_weight * ce
-        with torch.no_grad():
-            top5 = logits.topk(5, dim=-1).indices
-            hit1 = ((top5[..., 0] == dt) & (dt >= 0)).sum() / n
-            hit5 = ((top5 == dt[..., None]).any(-1) & (dt >= 0)).sum() / n
+        q = torch.arange(dt.shape[1], device=dt.device)[None]
         on_step = split == "train"
-        self.log(f"{split}/feature_loss", reg, on_step=on_step, on_epoch=True, sync_dist=True)
-        self.log(f"{split}/ce", ce, on_step=on_step, on_epoch=True, sync_dist=True)
-        self.log(f"{split}/head1_top1", hit1, on_step=False, on_epoch=True, sync_dist=True)
-        self.log(f"{split}/head1_top5", hit5, on_step=False, on_epoch=True, sync_dist=True)
+        loss, chain, alive = 0.0, None, None
+        for j, pred in enumerate(preds):
+            ok = valid & (q >= j)  # queries on a chain (started at q - j >= 0) with a target
+            n = ok.sum().clamp(min=1)
+            logits = self.heads.logits(pred)  # (B, T-1, V')
+            sel = ok & (dt >= 0)
+            if j < self.unroll:
+                reg = (F.smooth_l1_loss(pred, f_next, reduction="none").mean(-1) * ok).sum() / n
+                ce = torch.nan_to_num(F.cross_entropy(logits[sel], dt[sel])) if sel.any() else logits.sum() * 0
+                loss = loss + self.w[j] * (reg + self.ce_weight * ce)
+                if j == 0:
+                    self.log(f"{split}/feature_loss", reg, on_step=on_step, on_epoch=True, sync_dist=True)
+                    self.log(f"{split}/ce", ce, on_step=on_step, on_epoch=True, sync_dist=True)
+            with torch.no_grad():
+                top5 = logits.topk(5, dim=-1).indices
+                hit = (top5[..., 0] == dt) & sel
+                if j == 0:
+                    hit5 = ((top5 == dt[..., None]).any(-1) & sel).sum() / n
+                    self.log(f"{split}/head1_top1", hit.sum() / n, on_step=False, on_epoch=True, sync_dist=True)
+                    self.log(f"{split}/head1_top5", hit5, on_step=False, on_epoch=True, sync_dist=True)
+                    alive, chain, starts = hit.clone(), 1.0 + hit.float(), valid
+                else:
+                    by_start = torch.zeros_like(hit)
+                    by_start[:, :hit.shape[1] - j] = hit[:, j:]  # hit of the chain started at i = q - j
+                    alive = alive & by_start
+                    chain = chain + alive.float()
+                if not self.training:
+                    self.log(f"{split}/depth{j + 1}_top1", hit.sum() / n, on_step=False, on_epoch=True, sync_dist=True)
+        loss = loss / sum(self.w)
+        if not self.training and chain is not None:
+            self.log(f"{split}/chain", (chain * starts).sum() / starts.sum().clamp(min=1), on_step=False,
+                     on_epoch=True, sync_dist=True)
         self.log(f"{split}/loss", loss, prog_bar=True, on_step=on_step, on_epoch=True, sync_dist=True)
         return loss
 
