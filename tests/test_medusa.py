@@ -184,16 +184,20 @@ def test_checkpoint_refusals(trained, tmp_path):
         MedusaHeads.load(tmp_path / "missing.safetensors", tiny())
 
 
-def test_tree_medusa_is_lossless(trained, tiny_backbone, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "q4"])
+def test_tree_medusa_is_lossless(trained, tiny_backbone, tmp_path, dtype):
+    """Beside a q4 backbone the heads' projection runs in 4 bits (only the drafts can change)."""
+    from components.model.load import tiny
     from pipeline.decode import decode
     root, _, _ = trained
     cfg = compose_config(["decode=tree_medusa", "model=tiny", f"proposer.checkpoint={root / 'run' / 'heads.safetensors'}",
                           "proposer.tree_file=null", "tree.width=2", "tree.depth=3", "tree.max_nodes=8",
-                          "prompt=hello there", "max_new_tokens=40", "stream=false", "verify_lossless=true"],
-                         output_dir=tmp_path)
-    metrics, objs = decode(cfg, tiny_backbone)
+                          "prompt=hello there", "max_new_tokens=40", "stream=false", "verify_lossless=true",
+                          f"model.dtype={dtype}"], output_dir=tmp_path)
+    metrics, objs = decode(cfg, tiny_backbone if dtype == "float32" else tiny(dtype=dtype))
     assert metrics["lossless"], objs["results"]["items"][0]
     assert metrics["steps"] < 40  # the heads did draft something
+    assert objs["results"]["summary"]["tree"]["draft_storage"] == ("q4" if dtype == "q4" else "float32")
 
 
 def test_tree_search_writes_a_valid_tree(trained, tmp_path):
