@@ -41,14 +41,16 @@ gpu-check: setup
 # search on this machine), then copy them into the package. See components/heads/checkpoints/.
 SHIP := components/heads/checkpoints/smollm2_135m
 heads: setup
-	$(PY) -m pipeline.train hydra.run.dir=outputs/train/shipped
+	$(PY) -m pipeline.train data.max_samples=8896 trainer.max_steps=4000 checkpoint_every=1000 hydra.run.dir=outputs/train/shipped  # ~1M tokens, ~1 epoch
 	mkdir -p $(SHIP)
 	cp outputs/train/shipped/heads.safetensors outputs/train/shipped/metrics.json outputs/train/shipped/train_config.yaml $(SHIP)/
 	$(PY) -m pipeline.tree_search search.install=true hydra.run.dir=outputs/tree_search/shipped
-	$(PY) -m pipeline.train heads=eagle data.max_samples=8896 trainer.max_steps=600 checkpoint_every=100 hydra.run.dir=outputs/train/shipped_eagle  # ~1M tokens
-	cp outputs/train/shipped_eagle/heads.safetensors $(SHIP)/eagle.safetensors
-	cp outputs/train/shipped_eagle/metrics.json $(SHIP)/eagle_metrics.json
-	cp outputs/train/shipped_eagle/train_config.yaml $(SHIP)/eagle_train_config.yaml
+	$(PY) -m pipeline.train heads=eagle data.max_samples=8896 trainer.max_steps=600 checkpoint_every=100 hydra.run.dir=outputs/train/shipped_eagle  # ~1M tokens, EAGLE-1
+	$(PY) -m pipeline.train heads=eagle data.max_samples=8896 heads.init=outputs/train/shipped_eagle/heads.safetensors \
+	  module.unroll=2 trainer.max_steps=600 checkpoint_every=100 hydra.run.dir=outputs/train/shipped_eagle_ttt  # then the training-time test
+	cp outputs/train/shipped_eagle_ttt/heads.safetensors $(SHIP)/eagle.safetensors
+	cp outputs/train/shipped_eagle_ttt/metrics.json $(SHIP)/eagle_metrics.json
+	cp outputs/train/shipped_eagle_ttt/train_config.yaml $(SHIP)/eagle_train_config.yaml
 
 clean:
 	rm -rf .venv outputs/runs outputs/multirun
