@@ -48,9 +48,11 @@ heads: setup
 	$(PY) -m pipeline.train heads=eagle data.max_samples=8896 trainer.max_steps=600 checkpoint_every=100 hydra.run.dir=outputs/train/shipped_eagle  # ~1M tokens, EAGLE-1
 	$(PY) -m pipeline.train heads=eagle data.max_samples=8896 heads.init=outputs/train/shipped_eagle/heads.safetensors \
 	  module.unroll=2 trainer.max_steps=600 checkpoint_every=100 hydra.run.dir=outputs/train/shipped_eagle_ttt  # then the training-time test
-	cp outputs/train/shipped_eagle_ttt/heads.safetensors $(SHIP)/eagle.safetensors
-	cp outputs/train/shipped_eagle_ttt/metrics.json $(SHIP)/eagle_metrics.json
-	cp outputs/train/shipped_eagle_ttt/train_config.yaml $(SHIP)/eagle_train_config.yaml
+	$(PY) -m pipeline.train heads=eagle data.max_samples=8896 heads.init=outputs/train/shipped_eagle_ttt/heads.safetensors \
+	  module.unroll=2 trainer.max_steps=600 checkpoint_every=100 hydra.run.dir=outputs/train/shipped_eagle_ttt2  # and again (still rising)
+	cp outputs/train/shipped_eagle_ttt2/heads.safetensors $(SHIP)/eagle.safetensors
+	cp outputs/train/shipped_eagle_ttt2/metrics.json $(SHIP)/eagle_metrics.json
+	cp outputs/train/shipped_eagle_ttt2/train_config.yaml $(SHIP)/eagle_train_config.yaml
 
 clean:
 	rm -rf .venv outputs/runs outputs/multirun
