@@ -23,7 +23,7 @@ RUNS = [("float32", "greedy", "paged", 8), ("float32", "tree_ngram", "contiguous
         ("q4", "greedy", "paged", 8), ("q4", "tree_ngram", "contiguous", 1),
         ("q4", "tree_medusa", "paged", 8), ("q4", "self_spec", "contiguous", 1),
         ("bfloat16", "greedy", "contiguous", 8), ("bfloat16", "tree_medusa", "paged", 1),
-        ("float32", "tree_eagle", "paged", 8)]
+        ("float32", "tree_eagle", "paged", 8), ("q4", "tree_eagle", "contiguous", 1)]  # q4: the 4-bit draft
 PROMPTS = {"float32": 12, "q4": 12, "bfloat16": 8}  # bfloat16 is the slowest mode on one test thread
 FEWER = {"tree_eagle": 8, "self_spec": 8}  # prompts for the slowest runs (16-draft float32 trees, self-speculation)
 
