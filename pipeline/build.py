@@ -105,7 +105,11 @@ def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -
     guard = None
     if proposer is not None and cfg.get("speculation_guard", True):
         from pipeline.core.guard import SpeculationGuard
-        guard = SpeculationGuard()
+        try:
+            guard = SpeculationGuard(**dict(cfg.get("guard") or {}))
+        except (TypeError, ValueError) as e:
+            raise UserError(f"bad guard settings ({e}): guard takes warmup, probe, backoff, max_backoff, "
+                            "decay, margin (pipeline/core/guard.py)") from None
     engine = Engine(
         model=backbone.model,
         kv=component(cfg.kv, backbone),

@@ -151,3 +151,15 @@ def test_policy_prediction_is_within_15_percent_of_the_measured_speedup(tiny_bac
     predicted = next(r for r in choose(order, costs)["table"] if r["nodes"] == 3)["expected_speedup"]
     assert measured > 1.5  # the tree pays here: 3 tokens per step at ~1.3x a plain step's cost
     assert abs(predicted / measured - 1) < 0.15, (predicted, measured)
+
+
+def test_guard_settings_come_from_the_config(tiny_backbone):
+    """`guard.*` reaches the guard (tree_eagle's preset sets its own); a bad value is a one-line error."""
+    from conftest import compose_config
+    from pipeline.build import build_engine
+    from pipeline.errors import UserError
+    base = ["decode=tree_ngram", "model=tiny", "speculation_guard=true"]
+    engine, _ = build_engine(compose_config([*base, "guard.probe=9", "guard.decay=0.8"]), tiny_backbone)
+    assert (engine.guard.probe, engine.guard.decay) == (9, 0.8)
+    with pytest.raises(UserError, match="guard"):
+        build_engine(compose_config([*base, "guard.probe=0"]), tiny_backbone)
