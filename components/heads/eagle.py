@@ -97,10 +97,9 @@ class EagleDraft(nn.Module):
             return y.transpose(1, 2).reshape(B, T, -1)
         return self.norm(self.block(x, cos, sin, attend))
 
-    def unrolled(self, feats: torch.Tensor, tokens: torch.Tensor, depth: int,
-                 mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def unrolled(self, feats: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
         """Training-time test: drafting `depth` deep from every position at once. feats (B, T, dim) = f_t,
-        tokens (B, T) = y_{t+1}; mask (B, T) bool, False past an answer's end (keys there are never read).
+        tokens (B, T) = y_{t+1} (padding past an answer's end is never read by a query before it).
         Returns preds[j] (B, T, dim) for j = 0..depth-1: preds[j][:, q] is the draft's prediction of
         f_{q+1} on the chain started at i = q - j, that is, having read the true (f_s, y_{s+1}) for
         s <= i and its own predictions preds[k-1][:, i+k-1] with the true y_{i+k+1}, k = 1..j: what
@@ -146,15 +145,19 @@ class EagleDraft(nn.Module):
         kernel, bfloat16 inside, float32 around). Each draft depth then reads ~5 MB of weights, not ~36:
         a depth costs a fraction of a verification row. A draft's rounding moves which tokens are
         proposed, never which are committed. Not for training (the matrices are no longer parameters)."""
-        from components.model.linear import GROUP, Int4, quantize_q4
+        from components.model.linear import Int4
         device = self.lm_weight.device
         for name in Block.MATRICES:
-            m = getattr(self.block, name)
-            if m.in_features % GROUP == 0:
-                setattr(self.block, name, Int4(*quantize_q4(m.dense().t()), device=device))
-        if self.dim % GROUP == 0:
-            self._lm_q4 = Int4(*quantize_q4(self.lm_weight), device=device)
+            q4 = Int4.quantized(getattr(self.block, name).dense().t(), device)
+            if q4 is not None:
+                setattr(self.block, name, q4)
+        self._lm_q4 = Int4.quantized(self.lm_weight, device)
         return self
+
+    @property
+    def storage(self) -> str:
+        """How the draft decodes: q4 after quantize_for_decoding, else float32."""
+        return "float32" if self._lm_q4 is None else "q4"
 
     @torch.inference_mode()
     def step(self, batch, kv, feats: torch.Tensor) -> torch.Tensor:

@@ -97,10 +97,15 @@ class MedusaHeads(nn.Module):
         """Decoding beside a q4 backbone: the shared projection stored as the backbone's matrices are,
         4-bit groups of 32 (components/model/linear.py `Int4`), ~4x fewer bytes read per step than
         float32. Moves which tokens are drafted, never which are committed. Not for training."""
-        from components.model.linear import GROUP, Int4, quantize_q4
-        if self.proj is None and self.dim % GROUP == 0:
-            self._infer_q4 = Int4(*quantize_q4(self.shared_weight), device=self.shared_weight.device)
+        from components.model.linear import Int4
+        if self.proj is None:
+            self._infer_q4 = Int4.quantized(self.shared_weight, self.shared_weight.device)
         return self
+
+    @property
+    def storage(self) -> str:
+        """How the projection decodes: q4 after quantize_for_decoding, else float32."""
+        return "float32" if self._infer_q4 is None else "q4"
 
     # --- checkpoints: safetensors only, never pickle -------------------------------------------
     def save(self, path: str | Path, meta: dict) -> Path:

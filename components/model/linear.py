@@ -89,6 +89,12 @@ class Int4(nn.Module):
         y = y.view(*x.shape[:-1], self.out_features)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
+    @classmethod
+    def quantized(cls, w: torch.Tensor, device=None) -> "Int4 | None":
+        """A float (out, in) matrix in 4 bits (`quantize_q4`), or None when `in` is not a multiple of
+        GROUP (the kernel's group size): what drafts use to decode beside a q4 backbone."""
+        return cls(*quantize_q4(w), device=device) if w.shape[1] % GROUP == 0 else None
+
     def dense(self) -> torch.Tensor:
         """[in, out] float32 weights, as the kernel sees them (the identity through the kernel)."""
         eye = torch.eye(self.in_features, dtype=self.dtype, device=self.packed.device)

@@ -99,7 +99,7 @@ class EagleProposer(Proposer):
     def tree_spec(self) -> dict:
         spec = {"dynamic": True, "width": self.width, "depth": self.depth, "max_nodes": self.max_nodes,
                 "p_min": self.p_min, "checkpoint": str(self.checkpoint_path),
-                "draft_storage": "q4" if self.draft._lm_q4 is not None else "float32"}
+                "draft_storage": self.draft.storage}
         if self.auto:
             steps = max(1, self.sized["steps"])
             spec.update(nodes="auto", min_gain=self.min_gain, step_ms_by_drafts=self.costs,

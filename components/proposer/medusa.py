@@ -102,12 +102,10 @@ class MedusaProposer(Proposer):
     @property
     def tree_spec(self) -> dict:
         """The tree it verifies (results.json summary "tree"; a search's best one becomes a tree file)."""
-        storage = "q4" if self.heads._infer_q4 is not None else "float32"
+        common = {"p_min": self.p_min, "checkpoint": str(self.checkpoint_path), "draft_storage": self.heads.storage}
         if self.dynamic:
-            return {"dynamic": True, "width": self.width, "max_nodes": self.max_nodes, "p_min": self.p_min,
-                    "checkpoint": str(self.checkpoint_path), "draft_storage": storage}
-        return {"choices": None if self.tree is None else [list(c) for c in self.tree.choices], "p_min": self.p_min,
-                "checkpoint": str(self.checkpoint_path), "draft_storage": storage}
+            return {"dynamic": True, "width": self.width, "max_nodes": self.max_nodes, **common}
+        return {"choices": None if self.tree is None else [list(c) for c in self.tree.choices], **common}
 
     @property
     def active(self) -> bool:
