@@ -167,3 +167,43 @@ def test_resume_refuses_items_of_another_precision(tmp_path):
     items.write_text("".join(_json.dumps({**x, "precision": "q4"}) + "\n" for x in lines[:1]))
     with pytest.raises(UserError, match="decoded in q4, this run computes in float32"):
         decode(compose_config(args, output_dir=tmp_path / "run"))
+
+
+def test_int8_head_is_row_invariant_and_within_half_a_step():
+    """The q4 mode's 8-bit LM head: each weight within half a step of its row's scale (the bfloat16
+    scale the kernel multiplies by), and a row's bits never depend on the rows computed with it."""
+    from components.model.kernels import min_invariant_rows
+    from components.model.linear import Int8Rows
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(5))
+    head = Int8Rows(w)
+    step = head.scale.float()[None, :]  # (1, out): [in, out] layout
+    assert bool(((head.dense() - w.t()).abs() <= step / 2 + 1e-6).all())
+    assert min_invariant_rows(head, 64, torch.bfloat16) == 1
+    x = torch.randn(5, 64).bfloat16()
+    assert torch.allclose(head(x).float(), x.float() @ head.dense(), rtol=2e-2, atol=2e-2)
+
+
+def test_tiny_q4_with_the_int8_head_decodes_losslessly():
+    """Where the machine picks the 8-bit head (components/model/kernels.py), every step uses it: trees
+    and batches still equal greedy in the same mode."""
+    from components.model.kernels import BUCKETS
+    from components.model.linear import Int8Rows
+    from test_decode import TEXT_PROMPTS, decoder_for
+    bb = tiny(dtype="q4")
+    m = bb.model
+    m.head_q8 = Int8Rows(m.lm_head.detach().t())
+    plan = m.layers[0].plan
+    saved = dict(plan.head)
+    try:
+        plan.head = {b: "int8" for b in (*BUCKETS, 0)}
+        prompts = [bb.tokenizer.encode(t, add_special_tokens=False) for t in TEXT_PROMPTS[:3]]
+        h = m.norm(m.tok_embeddings(torch.tensor([prompts[0][:4]])))[0]
+        assert torch.equal(m.logits(h), m.head_q8(h).float())  # the 8-bit head is what runs
+        ref = [g.token_ids for g in decoder_for("greedy", bb, max_new_tokens=24).run(prompts)]
+        for preset, extra in (("tree_ngram", ("proposer.min_ngram=1",)), ("self_spec", ())):
+            for batch in (1, 3):
+                got = decoder_for(preset, bb, *extra, f"batch_size={batch}", max_new_tokens=24).run(prompts)
+                assert [g.token_ids for g in got] == ref, (preset, batch)
+    finally:
+        plan.head = saved
+        m.head_q8 = None

@@ -140,13 +140,16 @@ class EagleDraft(nn.Module):
         return f @ self._lm_t
 
     def quantize_for_decoding(self) -> "EagleDraft":
-        """Decoding beside a q4 backbone: the layer's matrices and the draft LM head stored as the
-        backbone's are, 4-bit groups of 32 (components/model/linear.py `Int4`: the weight-only int4
+        """Decoding beside a q4 backbone: the input projection, the layer's matrices and the draft LM
+        head stored as the backbone's are, 4-bit groups of 32 (components/model/linear.py `Int4`: the weight-only int4
         kernel, bfloat16 inside, float32 around). Each draft depth then reads ~5 MB of weights, not ~36:
         a depth costs a fraction of a verification row. A draft's rounding moves which tokens are
         proposed, never which are committed. Not for training (the matrices are no longer parameters)."""
         from components.model.linear import Int4
         device = self.lm_weight.device
+        fc = Int4.quantized(self.fc.weight, device)  # the input projection, (dim, 2 dim)
+        if fc is not None:
+            self.fc = fc
         for name in Block.MATRICES:
             q4 = Int4.quantized(getattr(self.block, name).dense().t(), device)
             if q4 is not None:

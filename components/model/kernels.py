@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-KERNELS = ("xw", "linear", "padded_t")
+KERNELS = ("xw", "linear", "padded_t")  # plus "int8" for the q4 mode's LM head (Transformer.head_q8)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a row count uses the plan of the first bucket >= it
 ROW_BLOCK = 16
 
@@ -105,11 +105,14 @@ def measure(model) -> KernelPlan:
     from components.model.linear import Dense
     mats = [(m.weight, m.weight_t) for b in model.layers for m in b.matrices() if isinstance(m, Dense)]
     head_mats = head = (model.lm_head, model.tok_embeddings.weight if model.args.tie_embeddings else model.lm_head_t)
+    head_q8 = getattr(model, "head_q8", None)  # the q4 mode's 8-bit head: a candidate beside the bfloat16 one
     plan, per_bucket = KernelPlan(), {}
     for rows in BUCKETS:
         xs = [torch.randn(rows, w.shape[0], dtype=w.dtype) for w, _ in mats]
         h = torch.randn(rows, head[0].shape[0], dtype=head[0].dtype)
         head_t = {k: _time(lambda k=k: matmul(h, head[0], head[1], k)) for k in KERNELS}
+        if head_q8 is not None:
+            head_t["int8"] = _time(lambda: head_q8(h))
         layer_t = {k: _time(lambda k=k: [matmul(x, w, wt, k) for x, (w, wt) in zip(xs, mats)])
                    for k in KERNELS} if mats else {}  # q4 layers have one kernel
         per_bucket[rows] = (layer_t, head_t)
@@ -120,11 +123,12 @@ def measure(model) -> KernelPlan:
             plan.head[rows] = min(head_t, key=head_t.get)
         return plan
     invariant = ("xw", "linear")
-    head = single({b: h for b, (_, h) in per_bucket.items()}, invariant)
+    head = single({b: h for b, (_, h) in per_bucket.items()}, invariant + (("int8",) if head_q8 is not None else ()))
     layer = single({b: l for b, (l, _) in per_bucket.items()}, invariant) if mats else "xw"
     buckets = (*BUCKETS, 0)  # 0: more rows than the last bucket (prompts) take the same kernel
     dt = model.dtype
-    min_rows = {"head": min_invariant_rows(lambda x: matmul(x, *head_mats, head), head_mats[0].shape[0], dt)}
+    head_fn = head_q8 if head == "int8" else (lambda x: matmul(x, *head_mats, head))
+    min_rows = {"head": min_invariant_rows(head_fn, head_mats[0].shape[0], dt)}
     probes = [min_invariant_rows(lambda x, m=m: m(x, layer), m.in_features, dt) for m in model.layers[0].matrices()]
     min_rows["layers"] = 0 if 0 in probes else max(probes)
     return KernelPlan({b: layer for b in buckets}, {b: head for b in buckets}, min_rows)
@@ -153,7 +157,7 @@ def machine_key(model) -> str:
     """CPU model and features, torch version and threads, model shapes and precision, plan version."""
     a = model.args
     parts = [*machine_parts(model.device), f"{a.n_layers}x{a.dim}x{a.hidden_dim}x{a.vocab_size}",
-             model.precision, str(a.tie_embeddings), "plan-v3"]
+             model.precision, str(a.tie_embeddings), "plan-v4"]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 

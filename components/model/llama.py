@@ -205,6 +205,7 @@ class Transformer(nn.Module):
         # [in, out] copy of the output projection; tied models keep it equal to the embedding
         self.lm_head = nn.Parameter(torch.empty(args.dim, args.vocab_size))
         self.register_buffer("inv_freq", rope_inv_freq(args).float(), persistent=False)
+        self.head_q8: nn.Module | None = None  # q4 mode: the LM head in 8 bits where measured faster
 
     @property
     def dtype(self) -> torch.dtype:
@@ -280,7 +281,10 @@ class Transformer(nn.Module):
         rows = hidden.numel() // hidden.shape[-1]
         wt = self.tok_embeddings.weight if self.args.tie_embeddings else getattr(self, "lm_head_t", None)
         plan = self.layers[0].plan if self.layers else KernelPlan()
-        return matmul(hidden, self.lm_head, wt, plan.lm_head(rows), plan.min_rows["head"]).float()
+        kernel = plan.lm_head(rows)
+        if kernel == "int8" and self.head_q8 is not None:
+            return self.head_q8(hidden).float()
+        return matmul(hidden, self.lm_head, wt, "xw" if kernel == "int8" else kernel, plan.min_rows["head"]).float()
 
     def optimize_for_decoding(self, cache=None):
         """Trade memory for multi-row speed: transposed weight copies, and the fastest kernel per row
@@ -291,7 +295,12 @@ class Transformer(nn.Module):
                 m.make_transposed(True)
         if not self.args.tie_embeddings:
             self.lm_head_t = self.lm_head.detach().t().contiguous()
+        if self.precision == "q4" and self.device.type == "cpu":  # an 8-bit head, kept if measured faster
+            from components.model.linear import Int8Rows
+            self.head_q8 = Int8Rows(self.lm_head.detach().t())
         plan = plan_for(self, cache)
+        if "int8" not in plan.head.values():
+            self.head_q8 = None  # not chosen here: no memory held for it
         for blk in self.layers:
             blk.plan = plan
             for m in blk.matrices():
