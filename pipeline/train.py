@@ -63,6 +63,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     if trainer.is_global_zero:
         meta = {"vocab_size": backbone.model.args.vocab_size, "fingerprint": backbone.model.fingerprint(),
                 "backbone": backbone.name, "metrics": metrics, "command": " ".join(sys.argv)}
+        if cfg.data.get("sequences"):  # an EAGLE draft: what its attention was trained over
+            meta["context"] = "prompt" if cfg.data.get("context") else "answer"
         heads.save(out / "heads.safetensors", meta)
         write_json(out / "metrics.json", metrics)
         (out / "train_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))

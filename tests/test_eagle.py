@@ -228,3 +228,42 @@ def test_a_new_benchmark_prompt_is_another_data_set(tmp_path, monkeypatch):
         for f in (prompts._benchmark, prompts._kept):
             f.cache_clear()
     assert prompts.prompt_filter() == before
+
+
+def test_a_draft_trained_with_prompt_context_reads_the_prompt(trained, tiny_backbone, tmp_path):
+    """data.context=true: each answer part gets its prompts' pairs (the prompt tokens after each
+    position; the last prompt state recomputed equals the answer's first, checked when built), the
+    draft trains over prompt + answer with no loss on the prompt, its checkpoint says so, and
+    tree_eagle with it puts the prompt into the draft cache and stays lossless."""
+    from pipeline.core import encode_chat
+    from pipeline.decode import decode
+    from pipeline.train import train
+    from components.data.prompts import training_prompts
+    from components.data.self_distill import build_self_distill
+    path, _, _ = trained
+    data = path.parent.parent / "data"
+    cfg = compose_config([*TRAIN, "trainer.max_steps=2", "data.context=true", "module.unroll=2", f"heads.init={path}",
+                          f"data.root={data}"], config_name="train", output_dir=tmp_path / "run")
+    metrics, objs = train(cfg)
+    ds = objs["data"].train_set
+    assert ds.context is not None and ds.context.samples == ds.samples
+    full = build_self_distill(tiny_backbone, max_samples=24, max_new_tokens=16, batch_size=12, root=str(data), context=True)
+    prompt = encode_chat(tiny_backbone.tokenizer, None, training_prompts(24)[5], True)
+    c = full.context
+    assert c.tokens[int(c.offsets[5]):int(c.offsets[6])].tolist() == prompt[1:]
+    assert metrics["steps"] == 2 and 0 <= metrics["val/head1_top1"] <= 1
+    draft_path = tmp_path / "run" / "heads.safetensors"
+    assert EagleDraft.load(draft_path, tiny_backbone).info["context"] == "prompt"
+    assert EagleDraft.load(path, tiny_backbone).info["context"] == "answer"
+    out = tmp_path / "dec"
+    dcfg = compose_config(["decode=tree_eagle", "model=tiny", f"proposer.checkpoint={draft_path}", "tree.width=3",
+                           "tree.depth=3", "tree.max_nodes=6", "proposer.nodes=null", "max_new_tokens=24", "stream=false",
+                           "batch_size=2", "verify_lossless=true", "chat=false"], output_dir=out, prompt="one two three one two")
+    m, o = decode(dcfg, tiny_backbone)
+    assert m["lossless"] and o["results"]["summary"]["tree"]["draft_context"] == "prompt"
+    dim = tiny_backbone.model.args.dim
+    for ckpt, kept in ((draft_path, 5), (path, 1)):  # the prefill's pairs the draft keeps
+        prop = EagleProposer(tiny_backbone, str(ckpt))
+        prop.start(0, [1, 2, 3, 4, 5])
+        prop.observe(0, [2, 3, 4, 5, 6], torch.randn(5, dim))
+        assert len(prop.seqs[0].tokens) == kept

@@ -23,7 +23,9 @@ def head_targets(ds: DistillSet, num_heads: int) -> torch.Tensor:
 
 
 class Answers(Dataset):
-    """One item per answer: (hidden (n, dim), tokens (n,)); `pad` batches them to the longest."""
+    """One item per answer: (hidden (n, dim), tokens (n,), c) where the first c pairs are its prompt's
+    (a set with context: the draft attends to them, no loss is taken on them; else c = 0); `pad`
+    batches them to the longest."""
 
     def __init__(self, ds: DistillSet):
         self.ds = ds
@@ -33,24 +35,30 @@ class Answers(Dataset):
 
     def __getitem__(self, i: int):
         a, b = int(self.ds.offsets[i]), int(self.ds.offsets[i + 1])
-        return self.ds.hidden[a:b], self.ds.tokens[a:b]
+        ctx = self.ds.context
+        if ctx is None:
+            return self.ds.hidden[a:b], self.ds.tokens[a:b], 0
+        c, d = int(ctx.offsets[i]), int(ctx.offsets[i + 1])
+        return (torch.cat((ctx.hidden[c:d], self.ds.hidden[a:b])), torch.cat((ctx.tokens[c:d], self.ds.tokens[a:b])), d - c)
 
     @staticmethod
     def pad(items):
-        """-> hidden (B, T, dim), tokens (B, T) with -100 past each answer's end."""
-        T = max(t.numel() for _, t in items)
+        """-> hidden (B, T, dim), tokens (B, T) with -100 past each answer's end, and the context
+        lengths (B,) when any item has context."""
+        T = max(t.numel() for _, t, _ in items)
         hidden = torch.zeros(len(items), T, items[0][0].shape[-1], dtype=items[0][0].dtype)
         tokens = torch.full((len(items), T), -100, dtype=torch.long)
-        for b, (h, t) in enumerate(items):
+        for b, (h, t, _) in enumerate(items):
             hidden[b, :t.numel()], tokens[b, :t.numel()] = h, t
-        return hidden, tokens
+        ctx = torch.tensor([c for _, _, c in items], dtype=torch.long)
+        return (hidden, tokens, ctx) if bool(ctx.any()) else (hidden, tokens)
 
 
 class DistillDataModule(L.LightningDataModule):
     def __init__(self, backbone, num_heads: int, max_samples: int = 1600, max_new_tokens: int = 160,
                  gen_batch_size: int = 48, batch_size: int = 256, val_fraction: float = 0.05,
                  prompt_seed: int = 0, root: str = "outputs/data", chat: bool = True, num_workers: int = 0,
-                 sequences: bool = False, answers_per_batch: int = 16):
+                 sequences: bool = False, answers_per_batch: int = 16, context: bool = False):
         super().__init__()
         if not 0 < val_fraction < 1:
             raise ValueError(f"`data.val_fraction` must be in (0, 1), got {val_fraction}")
@@ -58,7 +66,9 @@ class DistillDataModule(L.LightningDataModule):
             raise ValueError(f"`data.batch_size` must be a positive int, got {batch_size}")
         self.backbone, self.num_heads = backbone, num_heads
         self.gen_kw = dict(max_samples=max_samples, max_new_tokens=max_new_tokens, batch_size=gen_batch_size,
-                           prompt_seed=prompt_seed, root=root, chat=chat)
+                           prompt_seed=prompt_seed, root=root, chat=chat, context=bool(context))
+        if context and not sequences:
+            raise ValueError("`data.context=true` is for EAGLE drafts (heads=eagle): Medusa heads read one state")
         self.batch_size, self.val_fraction, self.num_workers = batch_size, val_fraction, num_workers
         self.sequences, self.answers_per_batch = bool(sequences), int(answers_per_batch)
         self.train_set = self.val_set = None

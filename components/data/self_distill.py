@@ -8,6 +8,12 @@ exactly what a Medusa head reads. A sample is
   hidden[i]  = h after consuming the prompt (i = 0) or y_i (i >= 1), the state that predicts y_{i+1}.
 The answers are stored in parts with the config that made them (`config.json`, `manifest.json`:
 answers and tokens so far) and reused by every run with that config, whatever its size.
+
+With `context=True` (an EAGLE draft that reads the prompt, `data.context=true`) every part also gets
+a `context-*` file: the prompt's pairs, ctx_hidden[p] = h at prompt position p and ctx_tokens[p] =
+the prompt token after it (p = 0..P-2; position P-1's state is the answer's hidden[0]), computed by
+one prefill per prompt through the same core (`build_context`), after the answers, from the same
+prompt order; a prompt whose recomputed last state is not its answer's hidden[0] is an error.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ class DistillSet:
     tokens: torch.Tensor  # (total,) long: response tokens of all samples, concatenated
     hidden: torch.Tensor  # (total, dim) bf16: the hidden state that predicts each token
     offsets: torch.Tensor  # (samples + 1,) long: sample s spans [offsets[s], offsets[s + 1])
+    context: "DistillSet | None" = None  # the prompts' pairs, same layout (data.context=true)
 
     @property
     def samples(self) -> int:
@@ -55,7 +62,8 @@ class DistillSet:
         spans = [(int(self.offsets[i]), int(self.offsets[i + 1])) for i in idx]
         sel = torch.cat([torch.arange(a, b) for a, b in spans]) if spans else torch.zeros(0, dtype=torch.long)
         lengths = torch.tensor([b - a for a, b in spans], dtype=torch.long)
-        return DistillSet(self.tokens[sel], self.hidden[sel], torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0))))
+        return DistillSet(self.tokens[sel], self.hidden[sel], torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0))),
+                          None if self.context is None else self.context.subset(idx))
 
 
 def generate_batch(backbone, prompts: list[list[int]], max_new_tokens: int,
@@ -97,7 +105,7 @@ def covered(out: Path) -> int:
 
 def build_self_distill(backbone, max_samples: int = 2000, max_new_tokens: int = 192, batch_size: int = 16,
                        prompt_seed: int = 0, root: str = "outputs/data", chat: bool = True,
-                       save_every: int = 8) -> DistillSet:
+                       save_every: int = 8, context: bool = False) -> DistillSet:
     """The backbone's answers to the first `max_samples` training prompts, generated where missing.
 
     One directory holds every answer made with one generation config (model, precision, answer
@@ -117,7 +125,52 @@ def build_self_distill(backbone, max_samples: int = 2000, max_new_tokens: int = 
             fcntl.flock(lock, fcntl.LOCK_EX)
             _generate(backbone, out, config, max_samples, batch_size * save_every, batch_size)
     _note(out)
-    return _first(out, max_samples)
+    ds = _first(out, max_samples)
+    if context:
+        with open(out / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            build_context(backbone, out, config, max_samples, batch_size)
+        ds.context = _first(out, max_samples, "context")
+    return ds
+
+
+def build_context(backbone, out: Path, config: dict, n: int, batch_size: int = 16) -> None:
+    """The `context-*` file of every answer part that holds one of the first n answers and has none:
+    the prompts prefilled `batch_size` at a time (one packed causal step, as the engine prefills),
+    each prompt's pairs (h_p, prompt[p + 1]) for p < P - 1 saved; its last state must be the
+    answer's hidden[0] (same model, precision and prompt), else the set is not this config's."""
+    todo = [(a, b, p) for a, b, p in parts(out) if a < n and not (out / p.name.replace("part-", "context-")).is_file()]
+    if not todo:
+        return
+    from pipeline.core import StepBatch
+    from components.kv.contiguous import ContiguousKV
+    model, tok = backbone.model, backbone.tokenizer
+    prompts = training_prompts(max(b for _, b, _ in todo), seed=config["prompt_seed"])
+    kv = ContiguousKV(backbone)
+    bar = tqdm(total=sum(b - a for a, b, _ in todo), desc="prompt context", unit="prompt")
+    for a, b, path in todo:
+        with safe_open(path, "pt") as f:
+            offsets, first = f.get_tensor("offsets"), f.get_tensor("hidden")
+        samples = []
+        for start in range(a, b, batch_size):
+            encoded = [encode_chat(tok, None, p, config["chat"]) for p in prompts[start:min(start + batch_size, b)]]
+            seqs = [kv.create() for _ in encoded]
+            step = StepBatch.build(seqs, [torch.tensor(e) for e in encoded], [None] * len(seqs), [None] * len(seqs),
+                                   [0] * len(seqs), model.attn_dtype)
+            with torch.inference_mode():
+                h = model.step(step, kv).to(torch.bfloat16)
+            for k, (e, q) in enumerate(zip(encoded, seqs)):
+                kv.free(q)
+                hk = h[step.offsets[k]:step.offsets[k + 1]]
+                i = start - a + k
+                want = first[int(offsets[i])].float()
+                if offsets[i + 1] > offsets[i] and (hk[-1].float() - want).abs().max() > 0.05 * want.abs().max():
+                    raise UserError(f"{out}: the prompt of answer {start + k} does not reproduce its first hidden "
+                                    "state: the prompt order or the model changed; delete the set and regenerate it")
+                samples.append((e[1:], hk[:-1].clone()))
+        _save(out / path.name.replace("part-", "context-"), samples)
+        bar.update(b - a)
+    bar.close()
 
 
 def _note(out: Path) -> None:
@@ -157,7 +210,7 @@ def _offsets(path: Path) -> torch.Tensor:
         return f.get_tensor("offsets")
 
 
-def _reading(out: Path, n: int) -> list[tuple[Path, int, torch.Tensor]]:
+def _reading(out: Path, n: int, kind: str = "part") -> list[tuple[Path, int, torch.Tensor]]:
     """The parts that hold answers 0..n-1, each with how many of its answers to read and its
     offsets. Parts are contiguous (one generator at a time, under the lock, starts where the
     saved ones end); a gap, a short part or too few answers is an error, never a silent shortfall."""
@@ -165,6 +218,8 @@ def _reading(out: Path, n: int) -> list[tuple[Path, int, torch.Tensor]]:
     for a, b, p in parts(out):
         if end >= n:
             break
+        if kind != "part":
+            p = p.with_name(p.name.replace("part-", f"{kind}-"))
         offsets = _offsets(p)
         if a != end or offsets.numel() - 1 != b - a:
             raise UserError(f"{out}: part {p.name} does not continue the answers before it (at {end}) or is "
@@ -176,9 +231,10 @@ def _reading(out: Path, n: int) -> list[tuple[Path, int, torch.Tensor]]:
     return plan
 
 
-def _first(out: Path, n: int) -> DistillSet:
-    """The first `n` answers, copied part by part into tensors allocated once."""
-    plan = _reading(out, n)
+def _first(out: Path, n: int, kind: str = "part") -> DistillSet:
+    """The first `n` answers (or their prompts' pairs: kind="context"), copied part by part into
+    tensors allocated once."""
+    plan = _reading(out, n, kind)
     lengths = torch.cat([offsets[:k + 1].diff() for _, k, offsets in plan])
     total = int(lengths.sum())
     with safe_open(plan[0][0], "pt") as f:

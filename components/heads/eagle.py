@@ -3,7 +3,8 @@
 Features are the backbone's last hidden states (after its final norm: what its LM head reads). At a
 committed position t the draft reads concat(f_t, embed(y_{t+1})), projects it to the hidden size,
 runs one decoder layer of the backbone's block shape (its own attention over the earlier positions
-of the answer: the draft keeps its own KV cache, no prompt context) and a norm, and predicts
+of the answer, and of the prompt for a draft trained with `data.context=true`: the draft keeps its
+own KV cache) and a norm, and predicts
 f_{t+1}; the frozen backbone LM head, restricted to a draft vocabulary (EAGLE-3's reduced
 vocabulary: the answers' most frequent tokens), turns a predicted feature into draft tokens. Drafting
 deeper feeds the predicted feature back with the drafted token's embedding (EAGLE-1/2).

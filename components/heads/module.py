@@ -98,7 +98,8 @@ class EagleModule(L.LightningModule):
     EAGLE-3's training-time test: depths 1..D of every chain at once (EagleDraft.unrolled, the draft
     reading its own predictions as when drafting), depth j weighted unroll_decay^(j-1), the sum
     normalised. A batch holds hidden (B, T, dim) with hidden[:, i] the state that predicts tokens[:, i],
-    and tokens (B, T), -100 past an answer's end. Input features get uniform noise of `noise` x their
+    and tokens (B, T), -100 past an answer's end, and with prompt context (data.context=true) the
+    number of prompt pairs in front of each answer (B,). Input features get uniform noise of `noise` x their
     RMS. Logged: the loss terms; head1_top1 / head1_top5 of y_{t+2} from the predicted feature (the
     depth-1 acceptance a greedy draft would see); on validation, depth{j}_top1 for j <= eval_depth
     (the draft on its own features, true tokens before) and `chain`: the mean accepted length of a
@@ -124,11 +125,15 @@ class EagleModule(L.LightningModule):
         self.register_buffer("to_draft", lookup, persistent=False)
 
     def step(self, batch, split: str):
-        hidden, tokens = batch
+        hidden, tokens = batch[0], batch[1]
         hidden = hidden.float()
         f_in, y_in = hidden[:, :-1], tokens[:, :-1].clamp(min=0)  # (f_t, y_{t+1})
         f_next, y_next = hidden[:, 1:], tokens[:, 1:]  # f_{t+1} and y_{t+2}, -100 past the end
-        valid = y_next >= 0  # (B, T-1)
+        q = torch.arange(f_in.shape[1], device=f_in.device)[None]
+        # a set with prompt context: the first ctx[b] pairs are the prompt's, read but never scored,
+        # and no chain starts in them (decoding drafts from answer positions only)
+        first = batch[2][:, None] if len(batch) > 2 else 0
+        valid = (y_next >= 0) & (q >= first)  # (B, T-1)
         if self.training and self.noise > 0:
             rms = f_in.pow(2).mean().sqrt()
             f_in = f_in + (torch.rand_like(f_in) - 0.5) * 2 * self.noise * rms
@@ -136,11 +141,10 @@ class EagleModule(L.LightningModule):
         preds = self.heads.unrolled(f_in, y_in, depth) if depth > 1 else [self.heads(f_in, y_in)]
         inside = valid & (y_next < self.to_draft.numel())
         dt = torch.where(inside, self.to_draft[y_next.clamp(0, self.to_draft.numel() - 1)], -100)
-        q = torch.arange(dt.shape[1], device=dt.device)[None]
         on_step = split == "train"
         loss, chain, alive = 0.0, None, None
         for j, pred in enumerate(preds):
-            ok = valid & (q >= j)  # queries on a chain (started at q - j >= 0) with a target
+            ok = valid & (q >= first + j)  # queries on a chain (started at q - j, in the answer) with a target
             n = ok.sum().clamp(min=1)
             logits = self.heads.logits(pred)  # (B, T-1, V')
             sel = ok & (dt >= 0)

@@ -1,7 +1,8 @@
 """EAGLE proposer: an EAGLE draft (components/heads/eagle.py) grows a dynamic tree per step (EAGLE-2).
 
 The draft keeps its own KV cache, one sequence of a small KV pool per decoding sequence, holding one
-slot per committed answer position (no prompt context, as it was trained). Each step, for every live
+slot per committed answer position, and per prompt position too for a draft trained with prompt
+context (`data.context=true`; its checkpoint says `context: prompt`). Each step, for every live
 sequence at once (one packed draft forward per depth, `StepBatch` as in the target):
 
 1. the committed pairs (f_t, y_{t+1}) not yet seen, with the target's true features, go into the
@@ -79,6 +80,7 @@ class EagleProposer(Proposer):
             raise UserError(f"no EAGLE draft is shipped for model {backbone.name!r}: train one with "
                             "`python -m pipeline.train heads=eagle` and pass proposer.checkpoint=<run dir>/heads.safetensors")
         self.draft = EagleDraft.load(path, backbone)
+        self.context = self.draft.info.get("context") == "prompt"  # the prompt's pairs go into its cache
         if backbone.model.precision == "q4":  # a float32 draft depth costs ~40% of a q4 step here, an int4 one ~6%
             self.draft.quantize_for_decoding()
         self.checkpoint_path = path
@@ -99,7 +101,7 @@ class EagleProposer(Proposer):
     def tree_spec(self) -> dict:
         spec = {"dynamic": True, "width": self.width, "depth": self.depth, "max_nodes": self.max_nodes,
                 "p_min": self.p_min, "checkpoint": str(self.checkpoint_path),
-                "draft_storage": self.draft.storage}
+                "draft_storage": self.draft.storage, "draft_context": "prompt" if self.context else "answer"}
         if self.auto:
             steps = max(1, self.sized["steps"])
             spec.update(nodes="auto", min_gain=self.min_gain, step_ms_by_drafts=self.costs,
@@ -126,8 +128,9 @@ class EagleProposer(Proposer):
         s = self.seqs.get(seq)
         if s is None or not tokens:
             return
-        if s.fresh:  # prefill: the prompt's positions are not the draft's context, only the first answer pair
-            tokens, hidden = tokens[-1:], hidden[-1:]
+        if s.fresh:  # prefill: every prompt pair for a draft trained with them, else only the first answer pair
+            if not self.context:
+                tokens, hidden = tokens[-1:], hidden[-1:]
             s.fresh = False
         s.feats.append(hidden[:len(tokens)].float())
         s.tokens += list(tokens)
