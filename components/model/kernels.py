@@ -129,6 +129,9 @@ def measure(model) -> KernelPlan:
     dt = model.dtype
     head_fn = head_q8 if head == "int8" else (lambda x: matmul(x, *head_mats, head))
     min_rows = {"head": min_invariant_rows(head_fn, head_mats[0].shape[0], dt)}
+    if head == "int8" and min_rows["head"] == 0:  # not batch-invariant on this machine: never worth a lossy tree
+        head = single({b: h for b, (_, h) in per_bucket.items()}, invariant)
+        min_rows["head"] = min_invariant_rows(lambda x: matmul(x, *head_mats, head), head_mats[0].shape[0], dt)
     probes = [min_invariant_rows(lambda x, m=m: m(x, layer), m.in_features, dt) for m in model.layers[0].matrices()]
     min_rows["layers"] = 0 if 0 in probes else max(probes)
     return KernelPlan({b: layer for b in buckets}, {b: head for b in buckets}, min_rows)
@@ -157,7 +160,7 @@ def machine_key(model) -> str:
     """CPU model and features, torch version and threads, model shapes and precision, plan version."""
     a = model.args
     parts = [*machine_parts(model.device), f"{a.n_layers}x{a.dim}x{a.hidden_dim}x{a.vocab_size}",
-             model.precision, str(a.tie_embeddings), "plan-v4"]
+             model.precision, str(a.tie_embeddings), "plan-v4", os.environ.get("LLM_DECODE_HEAD", "")]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 

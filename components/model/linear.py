@@ -1,8 +1,8 @@
 """The backbone's weight matrices, one class per storage: `Dense` (float32 / bfloat16, [in, out] with an
 optional [out, in] copy for the multi-row kernels of components/model/kernels.py), `Int4` (4-bit
 codes in groups of 32 with a scale and a zero per group, torch's weight-only int4 kernels, bfloat16
-activations) and `Int8Rows` (8-bit codes with one scale per output row: the q4 mode's LM head where
-the machine measures it faster than bfloat16).
+activations) and `Int8Rows` (8-bit codes with one scale per output row: the q4 mode's LM head with
+LLM_DECODE_HEAD=int8, where the machine measures it faster than bfloat16).
 
 In the bfloat16 and q4 modes a row must get the same bits whatever rows are computed with it, so
 that a tree's rows equal the plain steps they replace. The int4 kernel is invariant as measured
@@ -110,7 +110,7 @@ class Int8Rows(nn.Module):
     int8 kernel, `_weight_int8pack_mm`, bfloat16 activations and result). The scale is rounded to
     bfloat16 before the codes are chosen, so the stored pair is what the kernel multiplies by: a
     weight is off by at most half a step of its row's (max |w| / 127). For the q4 mode's LM head:
-    a quarter of the bfloat16 head's bytes, ~4x faster for a few rows on a 2-core CPU (measured per
+    half the bfloat16 head's bytes, ~4x faster for a few rows on a 2-core CPU (measured per
     machine by components/model/kernels.py, which keeps the bfloat16 head where it is not)."""
 
     dtype = torch.bfloat16

@@ -13,13 +13,14 @@ embedding's: float32 for the float32 mode, bfloat16 for the bfloat16 and q4 mode
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from components.model.kernels import KernelPlan, matmul
+from components.model.kernels import KernelPlan, at_least, matmul
 from components.model.linear import Dense
 from pipeline.core import StepBatch
 
@@ -283,7 +284,9 @@ class Transformer(nn.Module):
         plan = self.layers[0].plan if self.layers else KernelPlan()
         kernel = plan.lm_head(rows)
         if kernel == "int8" and self.head_q8 is not None:
-            return self.head_q8(hidden).float()
+            x2 = hidden.reshape(-1, hidden.shape[-1])
+            y = self.head_q8(at_least(x2.contiguous(), plan.min_rows["head"]))[:rows]
+            return y.view(*hidden.shape[:-1], y.shape[-1]).float()
         return matmul(hidden, self.lm_head, wt, "xw" if kernel == "int8" else kernel, plan.min_rows["head"]).float()
 
     def optimize_for_decoding(self, cache=None):
@@ -295,7 +298,9 @@ class Transformer(nn.Module):
                 m.make_transposed(True)
         if not self.args.tie_embeddings:
             self.lm_head_t = self.lm_head.detach().t().contiguous()
-        if self.precision == "q4" and self.device.type == "cpu":  # an 8-bit head, kept if measured faster
+        if self.precision == "q4" and self.device.type == "cpu" and os.environ.get("LLM_DECODE_HEAD") == "int8":
+            # opt-in: an 8-bit head (kept if measured faster) re-quantizes the Q8_0 head per row and
+            # moves greedy further from float32 (README, "Agreement with float32")
             from components.model.linear import Int8Rows
             self.head_q8 = Int8Rows(self.lm_head.detach().t())
         plan = plan_for(self, cache)
