@@ -163,8 +163,8 @@ def build_context(backbone, out: Path, config: dict, n: int, batch_size: int = 1
                 kv.free(q)
                 hk = h[step.offsets[k]:step.offsets[k + 1]]
                 i = start - a + k
-                want = first[int(offsets[i])].float()
-                if offsets[i + 1] > offsets[i] and (hk[-1].float() - want).abs().max() > 0.05 * want.abs().max():
+                want = first[int(offsets[i])].float() if offsets[i + 1] > offsets[i] else hk[-1].float()
+                if (hk[-1].float() - want).abs().max() > 0.05 * want.abs().max():
                     raise UserError(f"{out}: the prompt of answer {start + k} does not reproduce its first hidden "
                                     "state: the prompt order or the model changed; delete the set and regenerate it")
                 samples.append((e[1:], hk[:-1].clone()))

@@ -56,7 +56,7 @@ class _Seq:
         self.dseq = dseq
         self.feats: list[torch.Tensor] = []  # committed pairs not yet in the draft cache
         self.tokens: list[int] = []
-        self.fresh = True  # the next observe is the prompt's: keep only its last pair
+        self.fresh = True  # the next observe is the prompt's: all its pairs for a prompt-context draft, else only the last
 
 
 class EagleProposer(Proposer):
