@@ -139,7 +139,7 @@ def build_context(backbone, out: Path, config: dict, n: int, batch_size: int = 1
     the prompts prefilled `batch_size` at a time (one packed causal step, as the engine prefills),
     each prompt's pairs (h_p, prompt[p + 1]) for p < P - 1 saved; its last state must be the
     answer's hidden[0] (same model, precision and prompt), else the set is not this config's."""
-    todo = [(a, b, p) for a, b, p in parts(out) if a < n and not (out / p.name.replace("part-", "context-")).is_file()]
+    todo = [(a, b, p) for a, b, p in parts(out) if a < n and not _sibling(p, "context").is_file()]
     if not todo:
         return
     from pipeline.core import StepBatch
@@ -149,8 +149,9 @@ def build_context(backbone, out: Path, config: dict, n: int, batch_size: int = 1
     kv = ContiguousKV(backbone)
     bar = tqdm(total=sum(b - a for a, b, _ in todo), desc="prompt context", unit="prompt")
     for a, b, path in todo:
-        with safe_open(path, "pt") as f:
-            offsets, first = f.get_tensor("offsets"), f.get_tensor("hidden")
+        with safe_open(path, "pt") as f:  # each answer's first state only, not the whole part
+            offsets, rows = f.get_tensor("offsets"), f.get_slice("hidden")
+            first = {i: rows[int(o):int(o) + 1][0].float() for i, o in enumerate(offsets[:-1]) if offsets[i + 1] > o}
         samples = []
         for start in range(a, b, batch_size):
             encoded = [encode_chat(tok, None, p, config["chat"]) for p in prompts[start:min(start + batch_size, b)]]
@@ -163,12 +164,12 @@ def build_context(backbone, out: Path, config: dict, n: int, batch_size: int = 1
                 kv.free(q)
                 hk = h[step.offsets[k]:step.offsets[k + 1]]
                 i = start - a + k
-                want = first[int(offsets[i])].float() if offsets[i + 1] > offsets[i] else hk[-1].float()
+                want = first.get(i, hk[-1].float())
                 if (hk[-1].float() - want).abs().max() > 0.05 * want.abs().max():
                     raise UserError(f"{out}: the prompt of answer {start + k} does not reproduce its first hidden "
                                     "state: the prompt order or the model changed; delete the set and regenerate it")
                 samples.append((e[1:], hk[:-1].clone()))
-        _save(out / path.name.replace("part-", "context-"), samples)
+        _save(_sibling(path, "context"), samples)
         bar.update(b - a)
     bar.close()
 
@@ -205,6 +206,11 @@ def _generate(backbone, out: Path, config: dict, max_samples: int, chunk: int, b
     bar.close()
 
 
+def _sibling(part: Path, kind: str) -> Path:
+    """An answer part's file of another kind ("context"), or the part itself (kind="part")."""
+    return part if kind == "part" else part.with_name(part.name.replace("part-", f"{kind}-", 1))
+
+
 def _offsets(path: Path) -> torch.Tensor:
     with safe_open(path, "pt") as f:
         return f.get_tensor("offsets")
@@ -218,8 +224,7 @@ def _reading(out: Path, n: int, kind: str = "part") -> list[tuple[Path, int, tor
     for a, b, p in parts(out):
         if end >= n:
             break
-        if kind != "part":
-            p = p.with_name(p.name.replace("part-", f"{kind}-"))
+        p = _sibling(p, kind)
         offsets = _offsets(p)
         if a != end or offsets.numel() - 1 != b - a:
             raise UserError(f"{out}: part {p.name} does not continue the answers before it (at {end}) or is "

@@ -124,11 +124,15 @@ class Int8Rows(nn.Module):
         codes = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scale", scale)
+        self.min_rows = 1  # set from the machine's invariance probe (Transformer.optimize_for_decoding)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        n = x2.shape[0]
+        if n < self.min_rows:
+            x2 = at_least(x2, self.min_rows)
         y = torch._weight_int8pack_mm(x2 if x2.dtype == self.dtype else x2.to(self.dtype), self.codes, self.scale)
-        return y.view(*x.shape[:-1], self.out_features)
+        return y[:n].view(*x.shape[:-1], self.out_features)
 
     def dense(self) -> torch.Tensor:
         """[in, out] float32 weights."""

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from components.model.kernels import KernelPlan, at_least, matmul
+from components.model.kernels import KernelPlan, matmul
 from components.model.linear import Dense
 from pipeline.core import StepBatch
 
@@ -284,9 +284,7 @@ class Transformer(nn.Module):
         plan = self.layers[0].plan if self.layers else KernelPlan()
         kernel = plan.lm_head(rows)
         if kernel == "int8" and self.head_q8 is not None:
-            x2 = hidden.reshape(-1, hidden.shape[-1])
-            y = self.head_q8(at_least(x2.contiguous(), plan.min_rows["head"]))[:rows]
-            return y.view(*hidden.shape[:-1], y.shape[-1]).float()
+            return self.head_q8(hidden).float()
         return matmul(hidden, self.lm_head, wt, "xw" if kernel == "int8" else kernel, plan.min_rows["head"]).float()
 
     def optimize_for_decoding(self, cache=None):
@@ -306,6 +304,8 @@ class Transformer(nn.Module):
         plan = plan_for(self, cache)
         if "int8" not in plan.head.values():
             self.head_q8 = None  # not chosen here: no memory held for it
+        elif self.head_q8 is not None:
+            self.head_q8.min_rows = max(plan.min_rows["head"], 1)
         for blk in self.layers:
             blk.plan = plan
             for m in blk.matrices():
