@@ -27,7 +27,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from pipeline.build import build_engine, component, model_key, positive_int
+from pipeline.build import build_engine, component, model_key, needs_invariance, positive_int
 from pipeline.cli import CONF_DIR, check_overrides, compose_config, groups
 from pipeline.decode import first_divergence, gen_fields, run_requests, summarize
 from pipeline.errors import UserError, one_line_errors
@@ -162,11 +162,14 @@ def build_pipelines(entries: list[Entry], common: list[str], reqs) -> tuple[list
     """One runner per entry; backbones (and their HF copies) are shared between entries with the
     same model config, and requests are tokenized once per model and chat setting."""
     backbones, hf_models, encoded, pipes = {}, {}, {}, []
-    for e in entries:
-        pcfg = compose(e, common)
+    composed = [(e, compose(e, common)) for e in entries]
+    invariant: dict[str, bool] = {}  # model key -> does any entry on it speculate or batch
+    for e, pcfg in composed:
+        invariant[model_key(pcfg)] = invariant.get(model_key(pcfg), False) or needs_invariance(pcfg)
+    for e, pcfg in composed:
         key = model_key(pcfg)
         if key not in backbones:
-            backbones[key] = component(pcfg.model)
+            backbones[key] = component(pcfg.model, invariant=invariant[key])
         bb = backbones[key]
         if e.name == "llama_cpp":
             from components.model.load import smollm2_gguf

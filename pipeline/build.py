@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 from pathlib import Path
 
 from hydra.utils import get_class, instantiate
@@ -81,6 +82,16 @@ def check_constraint(node: DictConfig | None, where: str = "constraint") -> list
         raise UserError(f"{where}: {e}" if where != "constraint" else str(e)) from None
 
 
+def is_speculative(cfg: DictConfig) -> bool:
+    return cfg.get("proposer") is not None and cfg.get("num_beams") is None
+
+
+def needs_invariance(cfg: DictConfig) -> bool:
+    """A speculative or batched run equals plain greedy at batch 1 only where every product gives a
+    row the same bits whatever rows come with it: `model.dtype=auto` then picks among those."""
+    return is_speculative(cfg) or OmegaConf.select(cfg, "batch_size", default=1) > 1
+
+
 def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -> tuple[Engine, object]:
     """Returns (engine, backbone). Pass `backbone` to reuse one already loaded (benchmarks).
     with_constraint=False leaves the configured constraint out (the caller passes each request's)."""
@@ -89,7 +100,10 @@ def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -
     if with_constraint:
         check_constraint(constraint_node(cfg))
     if backbone is None:
-        backbone = component(cfg.model)
+        backbone = component(cfg.model, invariant=needs_invariance(cfg))
+    notice = backbone.lossless_notice(is_speculative(cfg), batch > 1)
+    if notice:
+        print(notice, file=sys.stderr)
     if cfg.get("num_beams") is not None:  # decode=beam: beam search on forked sequences
         if cfg.get("proposer") is not None:
             raise UserError("beam search does not take a proposer: drop proposer= (or use decode=greedy for speculation)")

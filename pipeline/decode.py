@@ -296,6 +296,9 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
         summary.update(requests=len(items), finished_now=len(fresh), resumed=len(done), interrupted=interrupted,
                        threads=torch.get_num_threads(),
                        kv=engine.kv.stats(), **backbone.describe(), **({"speculation": policy} if policy else {}))
+        notice = backbone.lossless_notice(engine.proposer is not None, engine.batch_size > 1)
+        if notice:
+            summary["lossless_notice"] = notice
         tree = getattr(engine.proposer or engine.idle_proposer, "tree_spec", None)
         if tree is not None:
             summary["tree"] = tree

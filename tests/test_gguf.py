@@ -193,9 +193,9 @@ def test_tiny_q4_with_the_int8_head_decodes_losslessly():
     m = bb.model
     m.head_q8 = Int8Rows(m.lm_head.detach().t())
     plan = m.layers[0].plan
-    saved = dict(plan.head)
+    saved = dict(plan.kernels.get("head", {}))
     try:
-        plan.head = {b: "int8" for b in (*BUCKETS, 0)}
+        plan.kernels["head"] = {b: "int8" for b in (*BUCKETS, 0)}
         prompts = [bb.tokenizer.encode(t, add_special_tokens=False) for t in TEXT_PROMPTS[:3]]
         h = m.norm(m.tok_embeddings(torch.tensor([prompts[0][:4]])))[0]
         assert torch.equal(m.logits(h), m.head_q8(h).float())  # the 8-bit head is what runs
@@ -205,5 +205,5 @@ def test_tiny_q4_with_the_int8_head_decodes_losslessly():
                 got = decoder_for(preset, bb, *extra, f"batch_size={batch}", max_new_tokens=24).run(prompts)
                 assert [g.token_ids for g in got] == ref, (preset, batch)
     finally:
-        plan.head = saved
+        plan.kernels["head"] = saved
         m.head_q8 = None

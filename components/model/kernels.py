@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-KERNELS = ("xw", "linear", "padded_t")  # plus "int8" for the q4 mode's LM head (Transformer.head_q8)
+KERNELS = ("xw", "linear", "padded_t")  # Dense products; plus "int4" (q4 layers) and "int8" (the q4 mode's 8-bit head)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a row count uses the plan of the first bucket >= it
 ROW_BLOCK = 16
 
@@ -53,26 +53,41 @@ def matmul(x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None, kernel: st
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-class KernelPlan:
-    """bucket -> kernel, for the layer matrices and for the LM head; and the fewest rows each product
-    is computed with (`min_rows`: 2 where the one-row path gives other bits than the multi-row one)."""
+PRODUCTS = ("wqkv", "wo", "w13", "w2", "head")  # a layer's four matrices (the same shapes in every layer) and the LM head
 
-    def __init__(self, layers: dict[int, str] | None = None, head: dict[int, str] | None = None,
-                 min_rows: dict[str, int] | None = None):
-        self.layers = {int(k): v for k, v in (layers or {}).items()}
-        self.head = {int(k): v for k, v in (head or {}).items()}
-        self.min_rows = {"layers": 1, "head": 1, **(min_rows or {})}
-        self.probed = min_rows is not None  # invariance measured on this machine
+
+class KernelPlan:
+    """For each product (`PRODUCTS`): bucket -> kernel, and the fewest rows it is computed with
+    (`min_rows`: a product is padded with zero rows up to it, the smallest row count from which the
+    kernel gives a row the same bits whatever rows come with it; 0 where no invariant path was
+    found on this machine). `probed`: invariance was measured here."""
+
+    def __init__(self, kernels: dict[str, dict[int, str]] | None = None, min_rows: dict[str, int] | None = None):
+        self.kernels = {p: {int(b): k for b, k in v.items()} for p, v in (kernels or {}).items()}
+        self.min_rows = {**{p: 1 for p in PRODUCTS}, **(min_rows or {})}
+        self.probed = min_rows is not None
 
     @staticmethod
     def bucket(rows: int) -> int:
         return next((b for b in BUCKETS if rows <= b), 0)  # 0: more rows than any bucket
 
-    def layer(self, rows: int) -> str:
-        return self.layers.get(self.bucket(rows), "xw")
+    def kernel(self, product: str, rows: int) -> str:
+        return self.kernels.get(product, {}).get(self.bucket(rows), "xw")
 
-    def lm_head(self, rows: int) -> str:
-        return self.head.get(self.bucket(rows), "xw")
+    @property
+    def invariant(self) -> bool:
+        """Every product has a batch-invariant path here (then a tree's rows get the plain steps' bits)."""
+        return self.probed and all(v > 0 for v in self.min_rows.values())
+
+    def lossy(self) -> list[str]:
+        return [p for p, v in self.min_rows.items() if v <= 0]
+
+    def to_json(self) -> dict:
+        return {"kernels": self.kernels, "min_rows": self.min_rows}
+
+    @classmethod
+    def single(cls, kernel: str) -> "KernelPlan":
+        return cls({p: {b: kernel for b in (*BUCKETS, 0)} for p in PRODUCTS})
 
 
 def _time(fn, reps: int = 2) -> float:
@@ -85,74 +100,98 @@ def _time(fn, reps: int = 2) -> float:
     return best
 
 
-ONE_KERNEL_BUCKETS = (1, 2, 4, 8, 16)  # the row counts of decode steps and trees that the choice weighs
+DECODE_BUCKETS = (1, 2, 4, 8, 16)  # the row counts of decode steps and trees that a kernel choice weighs
 
 
-def single(times: dict[int, dict[str, float]], kernels: tuple[str, ...]) -> str:
-    """The one kernel with the least total time over the decode-sized buckets."""
-    return min(kernels, key=lambda k: sum(times[b][k] for b in ONE_KERNEL_BUCKETS))
+def padded(fn, rows: int):
+    """`fn` with its input padded by zero rows to at least `rows` (and the extra rows dropped)."""
+    if rows <= 1:
+        return fn
+    return lambda x: fn(at_least(x, rows))[:x.reshape(-1, x.shape[-1]).shape[0]]
+
+
+def candidates(model) -> dict[str, dict[str, list]]:
+    """product -> kernel -> [the product's function in every layer] (one for the head): what the
+    plan chooses among. Dense matrices take `matmul` with a kernel name, 4-bit ones their one kernel;
+    the q4 mode's 8-bit head is a candidate beside the bfloat16 head."""
+    from components.model.linear import Dense
+    out: dict[str, dict[str, list]] = {}
+    for name in PRODUCTS[:-1]:
+        mats = [getattr(b, name) for b in model.layers]
+        if all(isinstance(m, Dense) for m in mats):
+            kernels = KERNELS if model.dtype == torch.float32 else ("xw", "linear")  # padded_t changes shape with rows
+            out[name] = {k: [lambda x, m=m, k=k: matmul(x, m.weight, m.weight_t, k) for m in mats] for k in kernels}
+        else:
+            out[name] = {"int4": [lambda x, m=m: m.product(x) for m in mats]}
+    w, wt = model.lm_head, (model.tok_embeddings.weight if model.args.tie_embeddings else model.lm_head_t)
+    kernels = KERNELS if model.dtype == torch.float32 else ("xw", "linear")
+    out["head"] = {k: [lambda x, k=k: matmul(x, w, wt, k)] for k in kernels}
+    if getattr(model, "head_q8", None) is not None:
+        out["head"]["int8"] = [model.head_q8.product]
+    return out
+
+
+def in_features(model, product: str) -> int:
+    return model.args.dim if product == "head" else getattr(model.layers[0], product).in_features
 
 
 @torch.inference_mode()
 def measure(model) -> KernelPlan:
-    """Time every kernel at every bucket on the model's own matrices (a few seconds for SmolLM2).
+    """Choose each product's kernel on the model's own matrices (a few seconds for SmolLM2).
 
     float32 takes the fastest kernel per bucket: its products are not batch-invariant under any
     kernel (a row's last bits depend on the row count), so mixing kernels costs nothing more there.
-    bfloat16 products are batch-invariant within one kernel (scripts/kernel_invariance.py), and a
-    tree's rows must get the bits of the plain steps they replace: one kernel for every row count,
-    and the padded one (which changes the product's shape with the row count) is not a candidate."""
-    from components.model.linear import Dense
-    mats = [(m.weight, m.weight_t) for b in model.layers for m in b.matrices() if isinstance(m, Dense)]
-    head_mats = head = (model.lm_head, model.tok_embeddings.weight if model.args.tie_embeddings else model.lm_head_t)
-    head_q8 = getattr(model, "head_q8", None)  # the q4 mode's 8-bit head: a candidate beside the bfloat16 one
-    plan, per_bucket = KernelPlan(), {}
-    for rows in BUCKETS:
-        xs = [torch.randn(rows, w.shape[0], dtype=w.dtype) for w, _ in mats]
-        h = torch.randn(rows, head[0].shape[0], dtype=head[0].dtype)
-        head_t = {k: _time(lambda k=k: matmul(h, head[0], head[1], k)) for k in KERNELS}
-        if head_q8 is not None:
-            head_t["int8"] = _time(lambda: head_q8(h))
-        layer_t = {k: _time(lambda k=k: [matmul(x, w, wt, k) for x, (w, wt) in zip(xs, mats)])
-                   for k in KERNELS} if mats else {}  # q4 layers have one kernel
-        per_bucket[rows] = (layer_t, head_t)
-    if model.dtype == torch.float32:
-        for rows, (layer_t, head_t) in per_bucket.items():
-            if layer_t:
-                plan.layers[rows] = min(layer_t, key=layer_t.get)
-            plan.head[rows] = min(head_t, key=head_t.get)
-        return plan
-    invariant = ("xw", "linear")
-    head = single({b: h for b, (_, h) in per_bucket.items()}, invariant + (("int8",) if head_q8 is not None else ()))
-    layer = single({b: l for b, (l, _) in per_bucket.items()}, invariant) if mats else "xw"
-    buckets = (*BUCKETS, 0)  # 0: more rows than the last bucket (prompts) take the same kernel
+    bfloat16 and q4 need a row's bits to be the same whatever rows come with it, so that a tree's
+    rows and a batch's get the bits of the plain steps they replace. For each product and kernel
+    the probe finds the fewest rows from which the kernel is invariant (`min_invariant_rows`), and
+    the plan takes the invariant (kernel, padding) pair that costs least over the decode-sized row
+    counts, one kernel for every row count. Where no pair is invariant, min_rows is 0 and the
+    product is reported (`KernelPlan.lossy`)."""
     dt = model.dtype
-    head_fn = head_q8 if head == "int8" else (lambda x: matmul(x, *head_mats, head))
-    min_rows = {"head": min_invariant_rows(head_fn, head_mats[0].shape[0], dt)}
-    if head == "int8" and min_rows["head"] == 0:  # not batch-invariant on this machine: never worth a lossy tree
-        head = single({b: h for b, (_, h) in per_bucket.items()}, invariant)
-        min_rows["head"] = min_invariant_rows(lambda x: matmul(x, *head_mats, head), head_mats[0].shape[0], dt)
-    probes = [min_invariant_rows(lambda x, m=m: m(x, layer), m.in_features, dt) for m in model.layers[0].matrices()]
-    min_rows["layers"] = 0 if 0 in probes else max(probes)
-    return KernelPlan({b: layer for b in buckets}, {b: head for b in buckets}, min_rows)
+    kernels, min_rows = {}, {}
+    for product, options in candidates(model).items():
+        k = in_features(model, product)
+        xs = {b: torch.randn(b, k, dtype=dt) for b in BUCKETS}
+        if dt == torch.float32:
+            kernels[product] = {b: min(options, key=lambda n: _time(lambda: [f(xs[b]) for f in options[n]]))
+                                for b in BUCKETS}
+            kernels[product][0] = kernels[product][BUCKETS[-1]]
+            continue
+        best, best_cost, best_rows = None, float("inf"), 0
+        for name, fns in options.items():
+            rows = min_invariant_rows(fns[0], k, dt)
+            if rows == 0:
+                continue
+            cost = sum(_time(lambda: [padded(f, rows)(xs[b]) for f in fns]) for b in DECODE_BUCKETS)
+            if cost < best_cost:
+                best, best_cost, best_rows = name, cost, rows
+        if best is None:  # nothing invariant: the fastest kernel, and the product is reported lossy
+            best = min(options, key=lambda n: sum(_time(lambda: [f(xs[b]) for f in options[n]]) for b in DECODE_BUCKETS))
+        kernels[product] = {b: best for b in (*BUCKETS, 0)}
+        min_rows[product] = best_rows
+    return KernelPlan(kernels, min_rows if dt != torch.float32 else None)
 
 
-PROBE_GROUPS = (1, 2, 3, 4, 8, 16, 32, 64)
+PROBE_ROWS = 128  # a prefill of a few prompts, or a batch of trees, together
+PROBE_GROUPS = (1, 2, 3, 4, 5, 8, 13, 16, 24, 32, 48, 64)  # each compared against all PROBE_ROWS at once
+PAD_TO = (1, 2, 4, 8, 16, 32, 64)  # the paddings tried, fewest first
 
 
 @torch.inference_mode()
 def min_invariant_rows(fn, k: int, dtype: torch.dtype, device=None) -> int:
-    """The fewest rows from which `fn` (a product on (rows, k) inputs) gives every row the same bits
-    whatever number of rows it is computed with: 64 random rows, computed in groups of 1, 2, 3, 4,
-    8, 16, 32 and all 64, compared bit for bit. 1: batch-invariant; 2: the one-row path differs
-    (oneDNN's bfloat16 gemv with a long inner dimension does, measured); 0: no invariance found."""
+    """The fewest rows (one of `PAD_TO`) such that `fn` (a product on (rows, k) inputs), with its
+    input padded to that many rows, gives every row the same bits whatever number of rows it is
+    computed with: PROBE_ROWS random rows computed at once, then in groups of each PROBE_GROUPS
+    size, compared bit for bit (stopping at the first difference). 1: batch-invariant as it is;
+    2: the one-row path differs (oneDNN's bfloat16 gemv with a long inner dimension on AVX-512);
+    32: oneDNN's bfloat16 product on AMX; 0: no invariance found."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(PROBE_GROUPS[-1], k, generator=g).to(device=device, dtype=dtype)
-    outs = {r: torch.cat([fn(x[i:i + r]) for i in range(0, len(x), r)]) for r in PROBE_GROUPS}
-    ref = outs[PROBE_GROUPS[-1]]
-    for m in PROBE_GROUPS:
-        if all(torch.equal(outs[r], ref) for r in PROBE_GROUPS if r >= m):
-            return m if m <= 2 else 0  # beyond 2 rows, padding every product would cost too much
+    x = torch.randn(PROBE_ROWS, k, generator=g).to(device=device, dtype=dtype)
+    ref = fn(x)
+    for rows in PAD_TO:
+        f = padded(fn, rows)
+        if all(torch.equal(f(x[i:i + r]), ref[i:i + r]) for r in PROBE_GROUPS for i in range(0, PROBE_ROWS, r)):
+            return rows
     return 0
 
 
@@ -160,7 +199,7 @@ def machine_key(model) -> str:
     """CPU model and features, torch version and threads, model shapes and precision, plan version."""
     a = model.args
     parts = [*machine_parts(model.device), f"{a.n_layers}x{a.dim}x{a.hidden_dim}x{a.vocab_size}",
-             model.precision, str(a.tie_embeddings), "plan-v4", os.environ.get("LLM_DECODE_HEAD", "")]
+             model.precision, str(a.tie_embeddings), "plan-v5", os.environ.get("LLM_DECODE_HEAD", "")]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -180,32 +219,35 @@ def plan_for(model, cache: Path | None) -> KernelPlan:
     """The cached plan for this machine and model, measured on first use. LLM_DECODE_KERNELS=xw
     (or linear, padded_t) forces one kernel everywhere."""
     if model.device.type != "cpu":  # GPUs: the [out, in] layout, cuBLAS picks its own kernels
-        return KernelPlan({b: "linear" for b in BUCKETS}, {b: "linear" for b in BUCKETS})
+        return KernelPlan.single("linear")
     forced = os.environ.get("LLM_DECODE_KERNELS")
     if forced:
         if forced not in KERNELS:
             raise ValueError(f"LLM_DECODE_KERNELS must be one of {', '.join(KERNELS)}, got {forced!r}")
-        return KernelPlan({b: forced for b in BUCKETS}, {b: forced for b in BUCKETS})
+        return KernelPlan.single(forced)
     path = None if cache is None else cache / f"kernels-{machine_key(model)}.json"
     if path is not None and path.is_file():
         return KernelPlan(**json.loads(path.read_text()))
     plan = measure(model)
     if path is not None:
         from pipeline.core import atomic_write
-        atomic_write(path, json.dumps({"layers": plan.layers, "head": plan.head, "min_rows": plan.min_rows}))
+        atomic_write(path, json.dumps(plan.to_json()))
     return plan
 
 
 def _precision_key(args, device: torch.device) -> str:
-    parts = [*machine_parts(device), f"{args.n_layers}x{args.dim}x{args.hidden_dim}x{args.n_heads}x{args.n_kv_heads}"]
+    parts = [*machine_parts(device), f"{args.n_layers}x{args.dim}x{args.hidden_dim}x{args.n_heads}x{args.n_kv_heads}",
+             str(args.vocab_size), "precision-v2"]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 
 @torch.inference_mode()
-def precision_costs(args, candidates: list[str], device: torch.device, cache: Path | None) -> dict[str, float]:
-    """Milliseconds for the layer matrices of one plain step plus one 8-row tree, per precision, on
-    random matrices of the model's shapes (one layer, scaled to all): what `precision=auto` picks by.
-    About a second; cached per machine, thread count and model shape."""
+def precision_costs(args, candidates: list[str], device: torch.device, cache: Path | None) -> dict[str, dict]:
+    """Per precision: `ms`, the layer matrices of one plain step plus one 8-row tree, on random
+    matrices of the model's shapes (one layer, scaled to all), what `precision=auto` picks by; and
+    `invariant`, whether every product of the model's shapes (the LM head too) has a batch-invariant
+    path here (`min_invariant_rows`), without which a tree or a batch in that precision may give
+    other tokens than plain greedy. A few seconds; cached per machine, thread count and model shape."""
     path = None if cache is None else cache / f"precisions-{_precision_key(args, device)}.json"
     known = json.loads(path.read_text()) if path is not None and path.is_file() else {}
     todo = [c for c in candidates if c not in known]
@@ -217,29 +259,35 @@ def precision_costs(args, candidates: list[str], device: torch.device, cache: Pa
         try:
             known[mode] = _precision_cost(mode, args, shapes, device, sync)
         except RuntimeError:  # this device has no kernel for it (e.g. int4 on an old GPU): not a candidate
-            known[mode] = float("inf")
+            known[mode] = {"ms": float("inf"), "invariant": False}
     if todo and path is not None:
         from pipeline.core import atomic_write
         atomic_write(path, json.dumps(known))
-    out = {c: known[c] for c in candidates if known[c] != float("inf")}
-    return out or {"float32": 0.0}
+    out = {c: known[c] for c in candidates if known[c]["ms"] != float("inf")}
+    return out or {"float32": {"ms": 0.0, "invariant": False}}
 
 
-def _precision_cost(mode: str, args, shapes, device, sync) -> float:
-    """ms of the model's layer matrices for a plain step plus an 8-row tree in `mode` (one layer, scaled)."""
+def _precision_cost(mode: str, args, shapes, device, sync) -> dict:
+    """ms of the model's layer matrices for a plain step plus an 8-row tree in `mode` (one layer,
+    scaled), and whether each product has an invariant kernel (float32: never probed, see `measure`)."""
     from components.model.linear import Int4, quantize_q4
-    total = 0.0
-    for k, n in shapes:
+    total, invariant = 0.0, mode != "float32"
+    for k, n in [*shapes, (args.dim, args.vocab_size)]:
         w = torch.randn(k, n, device=device) * 0.02
-        if mode == "q4":
+        head = n == args.vocab_size
+        if mode == "q4" and not head:
             m = Int4(*quantize_q4(w.t().cpu()), device=device)
-            fns = {"int4": lambda x, m=m: m(x)}
+            fns = {"int4": m.product}
             dt = torch.bfloat16
         else:
-            dt = getattr(torch, mode)
+            dt = torch.bfloat16 if mode == "q4" else getattr(torch, mode)
             wd, wt = w.to(dt), w.t().contiguous().to(dt)
-            fns = {kern: (lambda x, kern=kern, wd=wd, wt=wt: matmul(x, wd, wt, kern)) for kern in KERNELS}
-        for rows in (1, 8):
-            x = torch.randn(rows, k, device=device).to(dt)
-            total += min(_time(lambda f=f: (f(x), sync()), reps=5) for f in fns.values())
-    return round(total * args.n_layers * 1e3, 3)
+            kernels = KERNELS if dt == torch.float32 else ("xw", "linear")
+            fns = {kern: (lambda x, kern=kern, wd=wd, wt=wt: matmul(x, wd, wt, kern)) for kern in kernels}
+        if not head:
+            for rows in (1, 8):
+                x = torch.randn(rows, k, device=device).to(dt)
+                total += min(_time(lambda f=f: (f(x), sync()), reps=5) for f in fns.values())
+        if invariant and device.type == "cpu":
+            invariant = any(min_invariant_rows(f, k, dt, device) > 0 for f in fns.values())
+    return {"ms": round(total * args.n_layers * 1e3, 3), "invariant": invariant}

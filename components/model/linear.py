@@ -5,10 +5,10 @@ activations) and `Int8Rows` (8-bit codes with one scale per output row: the q4 m
 LLM_DECODE_HEAD=int8, where the machine measures it faster than bfloat16).
 
 In the bfloat16 and q4 modes a row must get the same bits whatever rows are computed with it, so
-that a tree's rows equal the plain steps they replace. The int4 kernel is invariant as measured
-here; oneDNN's bfloat16 product is invariant from two rows on, its one-row path (a gemv) is not
-for a long inner dimension: `min_rows` (probed per machine, components/model/kernels.py) pads a
-single row to two where needed.
+that a tree's rows equal the plain steps they replace. Each module's `min_rows` (probed per
+machine, components/model/kernels.py) pads its input with zero rows to the row count from which
+its kernel is invariant: 1 for torch's int4 kernel everywhere seen, 2 for oneDNN's bfloat16 product
+on AVX-512 (its one-row gemv differs for a long inner dimension), 32 for it on AMX.
 """
 from __future__ import annotations
 
@@ -74,17 +74,18 @@ class Int4(nn.Module):
         self.register_buffer("packed", packed)
         self.min_rows = 1
 
+    def product(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2: (rows, in) bfloat16 -> (rows, out) bfloat16, as the kernel computes it (no padding)."""
+        if x2.device.type == "cpu":
+            return torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scale_zeros)
+        return torch._weight_int4pack_mm(x2, self.packed, self.group, self.scale_zeros)
+
     def forward(self, x: torch.Tensor, kernel: str = "") -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
         n = x2.shape[0]
-        if n < self.min_rows:
-            x2 = at_least(x2, self.min_rows)
-        if x2.device.type == "cpu":
-            y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scale_zeros)
-        else:
-            y = torch._weight_int4pack_mm(x2, self.packed, self.group, self.scale_zeros)
+        y = self.product(at_least(x2, self.min_rows))
         if y.shape[0] != n:
             y = y[:n]
         y = y.view(*x.shape[:-1], self.out_features)
@@ -126,13 +127,15 @@ class Int8Rows(nn.Module):
         self.register_buffer("scale", scale)
         self.min_rows = 1  # set from the machine's invariance probe (Transformer.optimize_for_decoding)
 
+    def product(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2: (rows, in) -> (rows, out) bfloat16, as the kernel computes it (no padding)."""
+        return torch._weight_int8pack_mm(x2.contiguous() if x2.dtype == self.dtype else x2.to(self.dtype).contiguous(),
+                                         self.codes, self.scale)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).contiguous()
+        x2 = x.reshape(-1, self.in_features)
         n = x2.shape[0]
-        if n < self.min_rows:
-            x2 = at_least(x2, self.min_rows)
-        y = torch._weight_int8pack_mm(x2 if x2.dtype == self.dtype else x2.to(self.dtype), self.codes, self.scale)
-        return y[:n].view(*x.shape[:-1], self.out_features)
+        return self.product(at_least(x2, self.min_rows))[:n].view(*x.shape[:-1], self.out_features)
 
     def dense(self) -> torch.Tensor:
         """[in, out] float32 weights."""

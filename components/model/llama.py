@@ -151,17 +151,17 @@ class Block(nn.Module):
         k, v: (B, T, nkv, hs) after RoPE: the cache-free or the cached attention of the caller."""
         B, T, _ = x.shape
         nq, nkv, hs = self.n_heads, self.n_kv, self.hs
-        kernel = self.plan.layer(x.shape[0] * x.shape[1])
-        qkv = self.wqkv(self.attn_norm(x), kernel)  # (B, T, (nh + 2 nkv) hs)
+        rows, plan = x.shape[0] * x.shape[1], self.plan
+        qkv = self.wqkv(self.attn_norm(x), plan.kernel("wqkv", rows))  # (B, T, (nh + 2 nkv) hs)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
         qk = apply_rope(qkv[..., :(nq + nkv) * hs].view(B, T, nq + nkv, hs), cos, sin)  # (B, T, nh + nkv, hs)
         v = qkv[..., (nq + nkv) * hs:].view(B, T, nkv, hs)
         y = attend(self.layer_id, qk[:, :, :nq], qk[:, :, nq:], v)  # (B, T, nh hs)
-        o = self.wo(y, kernel)
+        o = self.wo(y, plan.kernel("wo", rows))
         x = x + (o if self.bo is None else o + self.bo)
-        gate, up = self.w13(self.mlp_norm(x), kernel).chunk(2, dim=-1)
-        return x + self.w2(F.silu(gate) * up, kernel)
+        gate, up = self.w13(self.mlp_norm(x), plan.kernel("w13", rows)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(gate) * up, plan.kernel("w2", rows))
 
     MATRICES = ("wqkv", "wo", "w13", "w2")
 
@@ -282,7 +282,7 @@ class Transformer(nn.Module):
         rows = hidden.numel() // hidden.shape[-1]
         wt = self.tok_embeddings.weight if self.args.tie_embeddings else getattr(self, "lm_head_t", None)
         plan = self.layers[0].plan if self.layers else KernelPlan()
-        kernel = plan.lm_head(rows)
+        kernel = plan.kernel("head", rows)
         if kernel == "int8" and self.head_q8 is not None:
             return self.head_q8(hidden).float()
         return matmul(hidden, self.lm_head, wt, "xw" if kernel == "int8" else kernel, plan.min_rows["head"]).float()
@@ -302,14 +302,14 @@ class Transformer(nn.Module):
             from components.model.linear import Int8Rows
             self.head_q8 = Int8Rows(self.lm_head.detach().t())
         plan = plan_for(self, cache)
-        if "int8" not in plan.head.values():
+        if "int8" not in plan.kernels.get("head", {}).values():
             self.head_q8 = None  # not chosen here: no memory held for it
         elif self.head_q8 is not None:
             self.head_q8.min_rows = max(plan.min_rows["head"], 1)
         for blk in self.layers:
             blk.plan = plan
-            for m in blk.matrices():
-                m.min_rows = max(plan.min_rows["layers"], 1)
+            for name in blk.MATRICES:
+                getattr(blk, name).min_rows = max(plan.min_rows[name], 1)
         return self
 
     @torch.no_grad()

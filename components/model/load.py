@@ -37,7 +37,7 @@ class Backbone:
     model: Transformer
     tokenizer: object  # a transformers tokenizer
     name: str
-    precision_costs: dict = field(default_factory=dict)  # precision=auto: what each candidate measured (ms)
+    precision_costs: dict = field(default_factory=dict)  # precision=auto: what each candidate measured (ms, invariant)
 
     @property
     def precision(self) -> str:
@@ -48,17 +48,28 @@ class Backbone:
         """Whether a row's bits are independent of the rows computed with it (then speculation is
         lossless by construction; float32 is lossless in practice, a near-tie could flip)."""
         m = self.model
-        if m.precision == "float32" or not m.layers or not m.layers[0].plan.probed:
-            return False
-        return all(v > 0 for v in m.layers[0].plan.min_rows.values())
+        return m.precision != "float32" and bool(m.layers) and m.layers[0].plan.invariant
 
     def describe(self) -> dict:
         """What results.json / bench.json record of the backbone."""
         out = {"model": self.name, "precision": self.precision, "device": str(self.model.device),
                "batch_invariant": self.batch_invariant}
+        if self.precision != "float32" and not self.batch_invariant and self.model.layers:
+            out["not_invariant"] = self.model.layers[0].plan.lossy()
         if self.precision_costs:
-            out["precision_auto"] = {"chosen": self.precision, "layer_matrices_ms": self.precision_costs}
+            out["precision_auto"] = {"chosen": self.precision, "candidates": self.precision_costs}
         return out
+
+    def lossless_notice(self, speculative: bool, batched: bool) -> str | None:
+        """The one line a speculative or batched run gets where this precision has no batch-invariant
+        path on this machine (its tokens may then differ from plain greedy at batch 1)."""
+        plan = self.model.layers[0].plan if self.model.layers else None
+        if not (speculative or batched) or self.precision == "float32" or plan is None or not plan.probed or plan.invariant:
+            return None  # an unprobed plan: a model not optimized for decoding (tiny test models)
+        what = "speculative" if speculative else "batched"
+        lossy = ", ".join(plan.lossy())
+        return (f"{self.precision} has no batch-invariant kernel on this machine ({lossy}): this {what} run may give "
+                f"other tokens than plain greedy at batch 1; model.dtype=float32 (or auto) keeps it lossless")
 
     @property
     def eos_ids(self) -> list[int]:
@@ -129,15 +140,19 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
-def resolve_precision(precision: str, candidates: list[str], args: LlamaArgs, device: torch.device) -> tuple[str, dict]:
+def resolve_precision(precision: str, candidates: list[str], args: LlamaArgs, device: torch.device,
+                      invariant: bool = False) -> tuple[str, dict]:
     """`auto` -> the candidate whose layer matrices measure fastest here (a plain step plus an 8-row
-    tree); returns the choice and the measured costs (empty when the precision was given)."""
+    tree); with `invariant` (a speculative or batched run) only among the precisions whose products
+    all have a batch-invariant path on this machine, and float32 (lossless in practice). Returns the
+    choice and what each candidate measured (empty when the precision was given)."""
     check_precision(precision)
     if precision != "auto":
         return precision, {}
     from components.model.kernels import precision_costs
     costs = precision_costs(args, candidates, device, cache_dir())
-    return min(costs, key=costs.get), costs
+    usable = {c: v for c, v in costs.items() if not invariant or c == "float32" or v["invariant"]} or costs
+    return min(usable, key=lambda c: usable[c]["ms"]), costs
 
 
 def _materialize(model: torch.nn.Module, device: torch.device):
@@ -223,14 +238,14 @@ def _gguf_tokenizer_dir(path: Path) -> Path:
     return cdir
 
 
-def _from_gguf(path: Path, precision: str, device: torch.device) -> tuple[Transformer, object, dict]:
+def _from_gguf(path: Path, precision: str, device: torch.device, invariant: bool) -> tuple[Transformer, object, dict]:
     from components.model import gguf
     f = gguf.GGUFFile(path)
     args = f.args()
     from components.model.linear import quantize_q4
     layers = [f.matrices(args, i) for i in range(args.n_layers)]
     four_bit = all(t.kind in ("Q4_0", "Q4_1") for parts in layers for ps in parts.values() for t, _ in ps)
-    precision, costs = resolve_precision(precision, ["float32", "bfloat16"] + ["q4"] * four_bit, args, device)
+    precision, costs = resolve_precision(precision, ["float32", "bfloat16"] + ["q4"] * four_bit, args, device, invariant)
     weights = {"tok_embeddings.weight": f.vector("token_embd.weight"), "norm.weight": f.vector("output_norm.weight")}
     weights["lm_head"] = (weights["tok_embeddings.weight"] if args.tie_embeddings else f.vector("output.weight")).t()
     q4: Q4 = {}
@@ -257,7 +272,7 @@ def _from_gguf(path: Path, precision: str, device: torch.device) -> tuple[Transf
     return model, _load_tokenizer(_gguf_tokenizer_dir(path), None), costs
 
 
-def _from_hf_folder(path: Path, precision: str, device: torch.device) -> tuple[Transformer, object, dict]:
+def _from_hf_folder(path: Path, precision: str, device: torch.device, invariant: bool) -> tuple[Transformer, object, dict]:
     from transformers import AutoConfig
     files = sorted(path.glob("*.safetensors"))
     if not (path / "config.json").is_file() or not files:
@@ -266,23 +281,24 @@ def _from_hf_folder(path: Path, precision: str, device: torch.device) -> tuple[T
     sd: dict[str, torch.Tensor] = {}
     for f in files:
         sd.update({k: v.float() for k, v in load_file(f).items()})
-    precision, costs = resolve_precision(precision, ["float32", "bfloat16"], args, device)
+    precision, costs = resolve_precision(precision, ["float32", "bfloat16"], args, device, invariant)
     return build(args, convert_hf_state_dict(sd, args), precision, device), _load_tokenizer(path, None), costs
 
 
 def from_pretrained(path: str | None = None, dtype: str = "auto", max_seq_len: int | None = None,
-                    name: str = "smollm2_135m", device: str = "cpu") -> Backbone:
+                    name: str = "smollm2_135m", device: str = "cpu", invariant: bool = False) -> Backbone:
     """path: a .gguf file, a Hugging Face folder, or None for the default SmolLM2-135M-Instruct GGUF.
-    dtype: the precision (auto | float32 | bfloat16 | q4)."""
+    dtype: the precision (auto | float32 | bfloat16 | q4). invariant: the run speculates or batches,
+    so `auto` skips precisions with no batch-invariant path here (pipeline.build passes it)."""
     precision = check_precision(dtype)
     dev = resolve_device(device)
     p = smollm2_gguf() if path is None else Path(path).expanduser()
     if not p.exists():
         raise UserError(f"model path {p} does not exist: pass model.path=<HF folder or .gguf file>")
     if p.suffix == ".gguf":
-        model, tok, costs = _from_gguf(p, precision, dev)
+        model, tok, costs = _from_gguf(p, precision, dev, invariant)
     else:
-        model, tok, costs = _from_hf_folder(p, precision, dev)
+        model, tok, costs = _from_hf_folder(p, precision, dev, invariant)
     if max_seq_len:
         model.args.max_seq_len = max_seq_len
     return Backbone(model, tok, name, precision_costs=costs)
@@ -290,7 +306,8 @@ def from_pretrained(path: str | None = None, dtype: str = "auto", max_seq_len: i
 
 def tiny(dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2, hidden_dim: int = 128,
          max_seq_len: int = 2048, seed: int = 0, dtype: str = "float32", qkv_bias: bool = False,
-         tie_embeddings: bool = True, rope_theta: float = 10000.0, name: str = "tiny", device: str = "cpu") -> Backbone:
+         tie_embeddings: bool = True, rope_theta: float = 10000.0, name: str = "tiny", device: str = "cpu",
+         invariant: bool = False) -> Backbone:
     """A small random-weight Llama that shares the default model's tokenizer (so prompts, chat
     templates and streaming behave as with the real one). `precision=auto` is float32 here: its
     matrices are too small for any other to pay."""
