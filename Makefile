@@ -14,6 +14,7 @@ PIP := $(PY) -m pip
 	touch $@
 
 setup: .venv/.installed
+	$(PY) -m components.model.native  # the fused C++ kernels for this CPU (~1 min once); a failed build says so and falls back
 
 demo: setup
 	$(PY) -m pipeline decode=tree_medusa prompt="Explain in three sentences why the sky is blue."

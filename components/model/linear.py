@@ -34,6 +34,13 @@ class Dense(nn.Module):
     def forward(self, x: torch.Tensor, kernel: str = "xw") -> torch.Tensor:
         return matmul(x, self.weight, self.weight_t, kernel, self.min_rows)
 
+    def spec(self, kernel: str) -> tuple[list[torch.Tensor], list[int]]:
+        """This product for the native kernels (csrc/decode_ops.cpp `Product`): tensors, (kind, group,
+        min_rows). The same torch kernel as `forward` with this kernel name."""
+        if kernel == "linear" and self.weight_t is not None:
+            return [self.weight_t], [1, 0, self.min_rows]
+        return [self.weight], [0, 0, self.min_rows]
+
     def dense(self) -> torch.Tensor:
         return self.weight.detach()
 
@@ -90,6 +97,10 @@ class Int4(nn.Module):
             y = y[:n]
         y = y.view(*x.shape[:-1], self.out_features)
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def spec(self, kernel: str = "") -> tuple[list[torch.Tensor], list[int]]:
+        """This product for the native kernels (csrc/decode_ops.cpp `Product`)."""
+        return [self.packed, self.scale_zeros], [2, self.group, self.min_rows]
 
     @classmethod
     def quantized(cls, w: torch.Tensor, device=None) -> "Int4 | None":

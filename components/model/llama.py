@@ -163,6 +163,27 @@ class Block(nn.Module):
         gate, up = self.w13(self.mlp_norm(x), plan.kernel("w13", rows)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up, plan.kernel("w2", rows))
 
+    def native_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch, kv, ops) -> torch.Tensor:
+        """A cached step through the fused kernels (components/model/native.py): x (R, dim) bfloat16,
+        cos / sin (R, hs / 2) float32. Three native calls and the KV manager's write."""
+        R, plan = x.shape[0], self.plan
+        eps = self.attn_norm.eps
+        q, k, v = ops.pre_attention(x, self.attn_norm.weight, eps, *self.wqkv.spec(plan.kernel("wqkv", R)), self.bqkv,
+                                    cos, sin, self.n_heads, self.n_kv, self.hs)  # (R, nh, hs), (R, nkv, hs) x 2
+        K, V = kv.update(self.layer_id, k, v, batch)  # (B, nkv, S, hs): cached + these rows
+        B, T = len(batch.seqs), batch.width
+        if B == 1:
+            qb = q[None]  # (1, T, nh, hs)
+        else:  # rows -> the padded (B, T) layout
+            qb = q.new_zeros(B * T, self.n_heads, self.hs)
+            qb[batch.row_index] = q
+            qb = qb.view(B, T, self.n_heads, self.hs)
+        y = ops.attention(qb, K, V, batch.bias, 1.0 / math.sqrt(self.hs), batch.causal).view(B * T, -1)
+        if B > 1:
+            y = y[batch.row_index]  # (R, nh hs)
+        return ops.post_attention(x, y, *self.wo.spec(plan.kernel("wo", R)), self.bo, self.mlp_norm.weight, eps,
+                                  *self.w13.spec(plan.kernel("w13", R)), *self.w2.spec(plan.kernel("w2", R)))
+
     MATRICES = ("wqkv", "wo", "w13", "w2")
 
     def matrices(self) -> list[nn.Module]:
@@ -207,6 +228,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Parameter(torch.empty(args.dim, args.vocab_size))
         self.register_buffer("inv_freq", rope_inv_freq(args).float(), persistent=False)
         self.head_q8: nn.Module | None = None  # q4 mode: the LM head in 8 bits where measured faster
+        self.native = None  # the fused kernels' module (`use_native`), None: the pure-torch path
 
     @property
     def dtype(self) -> torch.dtype:
@@ -215,13 +237,17 @@ class Transformer(nn.Module):
 
     @property
     def attn_dtype(self) -> torch.dtype:
-        """The KV cache's and the cached attention's dtype. float32 models attend in float32. The
-        bfloat16 and q4 modes attend in float64: attention sums over a length that differs between
-        a plain step, a tree (masked siblings between a row's ancestors) and a padded batch, and no
-        kernel keeps a row's bits across those; in float64 the differences (~1e-16 relative) are
-        far below what rounding the result to bfloat16 can reveal, so a tree row gets the bfloat16
-        bits of the plain step it replaces (measured: scripts/kernel_invariance.py)."""
-        return torch.float32 if self.dtype == torch.float32 else torch.float64
+        """The KV cache's and the cached attention's dtype. float32 models attend in float32. With
+        the native kernels, bfloat16 and q4 keep the cache in bfloat16 (the keys and values are
+        bfloat16 products: stored exactly) and attend in float32 over each row's allowed slots in
+        slot order, so a masked sibling or a padding row changes no bit. On the pure-torch path they
+        attend in float64: attention sums over a length that differs between a plain step, a tree
+        (masked siblings between a row's ancestors) and a padded batch, and no torch kernel keeps a
+        row's bits across those; in float64 the differences (~1e-16 relative) are far below what
+        rounding the result to bfloat16 can reveal (measured: scripts/kernel_invariance.py)."""
+        if self.dtype == torch.float32:
+            return torch.float32
+        return torch.bfloat16 if self.native is not None else torch.float64
 
     @property
     def device(self) -> torch.device:
@@ -267,6 +293,8 @@ class Transformer(nn.Module):
         rows, what its tree mask allows. `layers` runs a subset of the blocks (layer-skipping
         drafts). Returns hidden (R, dim) after the final norm; the rows become tentative slots."""
         batch = batch.to(self.device)
+        if self.native is not None:
+            return self._native_step(batch, kv, layers)
         x = self.tok_embeddings(batch.tokens)[None]  # (1, R, dim): every row of every sequence
         cos, sin = self.rope(batch.positions[None], x.dtype)
         attend = cached_attention(batch, kv, self.attn_dtype, self.args.n_kv_heads != self.args.n_heads)
@@ -275,6 +303,25 @@ class Transformer(nn.Module):
             x = self.layers[i](x, cos, sin, attend)
         kv.end_step(batch)
         return self.norm(x)[0]
+
+    def _native_step(self, batch: StepBatch, kv, layers: list[int] | None) -> torch.Tensor:
+        x = self.tok_embeddings(batch.tokens)  # (R, dim)
+        freqs = batch.positions[:, None].float() * self.inv_freq  # (R, hs / 2)
+        cos, sin = freqs.cos(), freqs.sin()
+        kv.begin_step(batch)
+        for i in (range(len(self.layers)) if layers is None else layers):
+            x = self.layers[i].native_forward(x, cos, sin, batch, kv, self.native)
+        kv.end_step(batch)
+        return self.norm(x)
+
+    def use_native(self, enable: bool = True) -> bool:
+        """Run cached steps through the fused kernels where they are built (bfloat16 and q4 on CPU;
+        float32 stays on torch's path, equal to transformers). Returns whether they are in use. Set
+        before KV managers are made: it decides `attn_dtype`."""
+        from components.model import native
+        ok = enable and self.dtype == torch.bfloat16 and self.device.type == "cpu"
+        self.native = native.load() if ok else None
+        return self.native is not None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (..., dim) -> fp32 logits (..., vocab), with the measured kernel for this many rows

@@ -53,7 +53,7 @@ class Backbone:
     def describe(self) -> dict:
         """What results.json / bench.json record of the backbone."""
         out = {"model": self.name, "precision": self.precision, "device": str(self.model.device),
-               "batch_invariant": self.batch_invariant}
+               "batch_invariant": self.batch_invariant, "native_kernels": self.model.native is not None}
         if self.precision != "float32" and not self.batch_invariant and self.model.layers:
             out["not_invariant"] = self.model.layers[0].plan.lossy()
         if self.precision_costs:
@@ -286,10 +286,12 @@ def _from_hf_folder(path: Path, precision: str, device: torch.device, invariant:
 
 
 def from_pretrained(path: str | None = None, dtype: str = "auto", max_seq_len: int | None = None,
-                    name: str = "smollm2_135m", device: str = "cpu", invariant: bool = False) -> Backbone:
+                    name: str = "smollm2_135m", device: str = "cpu", invariant: bool = False,
+                    native: bool = True) -> Backbone:
     """path: a .gguf file, a Hugging Face folder, or None for the default SmolLM2-135M-Instruct GGUF.
     dtype: the precision (auto | float32 | bfloat16 | q4). invariant: the run speculates or batches,
-    so `auto` skips precisions with no batch-invariant path here (pipeline.build passes it)."""
+    so `auto` skips precisions with no batch-invariant path here (pipeline.build passes it).
+    native: bfloat16 and q4 steps through the fused C++ kernels where built (components/model/native.py)."""
     precision = check_precision(dtype)
     dev = resolve_device(device)
     p = smollm2_gguf() if path is None else Path(path).expanduser()
@@ -301,13 +303,14 @@ def from_pretrained(path: str | None = None, dtype: str = "auto", max_seq_len: i
         model, tok, costs = _from_hf_folder(p, precision, dev, invariant)
     if max_seq_len:
         model.args.max_seq_len = max_seq_len
+    model.use_native(native)
     return Backbone(model, tok, name, precision_costs=costs)
 
 
 def tiny(dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2, hidden_dim: int = 128,
          max_seq_len: int = 2048, seed: int = 0, dtype: str = "float32", qkv_bias: bool = False,
          tie_embeddings: bool = True, rope_theta: float = 10000.0, name: str = "tiny", device: str = "cpu",
-         invariant: bool = False) -> Backbone:
+         invariant: bool = False, native: bool = True) -> Backbone:
     """A small random-weight Llama that shares the default model's tokenizer (so prompts, chat
     templates and streaming behave as with the real one). `precision=auto` is float32 here: its
     matrices are too small for any other to pay."""
@@ -335,7 +338,9 @@ def tiny(dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2
         if tie_embeddings:
             model.tie_lm_head()
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    return Backbone(build(args, weights, precision, device, optimize=False), tok, name)
+    model = build(args, weights, precision, device, optimize=False)
+    model.use_native(native)
+    return Backbone(model, tok, name)
 
 
 def from_pretrained_tokenizer():

@@ -1,0 +1,236 @@
+// Fused CPU kernels for the glue of a decode step (components/model/native.py builds and loads them).
+//
+// A layer of a decode step is three calls: `pre_attention` (RMSNorm, the q/k/v product, RoPE),
+// `attention` over the cache with the step's tree bias, and `post_attention` (output product,
+// residual, RMSNorm, gate/up product, SwiGLU, down product, residual). The products themselves are
+// torch's kernels (called here, with the plan's kernel and padding), so their bits are the ones the
+// pure-torch path gets; the glue is computed in float32 and rounded once.
+//
+// Every loop reduces in an order fixed by the row's own data: attention walks the slots a row may
+// see, compacted, in slot order; a masked sibling or a padding row changes nothing. A row's bits
+// therefore never depend on which or how many rows come with it (batch invariance by construction).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int LANES = 16;  // partial sums per reduction: vectorizes on AVX2 and AVX-512 alike
+
+template <typename T> inline float f32(T v) { return static_cast<float>(v); }
+
+// A product y = x W as the plan computes it: kind 0 `x @ W` on [in, out], 1 `linear` on [out, in],
+// 2 torch's int4 kernel (a = packed, b = scales and zeros), 3 torch's int8 kernel (a = codes, b = row
+// scales); x padded with zero rows to `min_rows` first.
+struct Product {
+  int64_t kind;
+  torch::Tensor a, b;
+  int64_t group, min_rows;
+};
+
+Product product_from(const std::vector<torch::Tensor>& ts, const std::vector<int64_t>& ints) {
+  return Product{ints[0], ts[0], ts.size() > 1 ? ts[1] : torch::Tensor(), ints[1], ints[2]};
+}
+
+torch::Tensor apply(const Product& p, torch::Tensor x) {  // x: (n, in) -> (n, out)
+  const int64_t n = x.size(0);
+  if (n < p.min_rows) x = torch::cat({x, x.new_zeros({p.min_rows - n, x.size(1)})});
+  torch::Tensor y;
+  switch (p.kind) {
+    case 0: y = torch::mm(x, p.a); break;
+    case 1: y = at::linear(x, p.a); break;
+    case 2: y = at::_weight_int4pack_mm_for_cpu(x, p.a, p.group, p.b); break;
+    case 3: y = at::_weight_int8pack_mm(x.contiguous(), p.a, p.b); break;
+    default: TORCH_CHECK(false, "unknown product kind ", p.kind);
+  }
+  return y.size(0) == n ? y : y.narrow(0, 0, n);
+}
+
+// out[r] = bf16(x[r] / rms(x[r]) * w), the sum of squares in LANES partial sums.
+void rms_norm_rows(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* out, int64_t rows, int64_t dim,
+                   double eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const at::BFloat16* xr = x + r * dim;
+    float acc[LANES] = {0};
+    int64_t d = 0;
+    for (; d + LANES <= dim; d += LANES)
+      for (int l = 0; l < LANES; ++l) acc[l] += f32(xr[d + l]) * f32(xr[d + l]);
+    for (int l = 0; d < dim; ++d, ++l) acc[l] += f32(xr[d]) * f32(xr[d]);
+    for (int w2 = LANES / 2; w2 > 0; w2 /= 2)
+      for (int l = 0; l < w2; ++l) acc[l] += acc[l + w2];
+    const float inv = 1.0f / std::sqrt(acc[0] / static_cast<float>(dim) + static_cast<float>(eps));
+    at::BFloat16* o = out + r * dim;
+    for (int64_t i = 0; i < dim; ++i) o[i] = at::BFloat16(f32(xr[i]) * inv * f32(w[i]));
+  }
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {  // x: (R, dim) bfloat16
+  x = x.contiguous();
+  auto out = torch::empty_like(x);
+  rms_norm_rows(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(),
+                x.size(0), x.size(1), eps);
+  return out;
+}
+
+// RoPE in place on the first `heads` heads of each row of qkv (R, *) bfloat16, half-split
+// convention: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), cos / sin: (R, hs / 2) float32.
+void rope_rows(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t hs) {
+  const int64_t R = qkv.size(0), stride = qkv.size(1), half = hs / 2;
+  auto* q = qkv.data_ptr<at::BFloat16>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < heads; ++h) {
+      at::BFloat16* x = q + r * stride + h * hs;
+      const float* cr = c + r * half;
+      const float* sr = s + r * half;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = f32(x[i]), x2 = f32(x[i + half]);
+        x[i] = at::BFloat16(x1 * cr[i] - x2 * sr[i]);
+        x[i + half] = at::BFloat16(x2 * cr[i] + x1 * sr[i]);
+      }
+    }
+}
+
+// x: (R, dim) bfloat16 -> q (R, nh, hs), k, v (R, nkv, hs): views of one (R, (nh + 2 nkv) hs) tensor.
+std::vector<torch::Tensor> pre_attention(torch::Tensor x, torch::Tensor norm_w, double eps,
+                                         std::vector<torch::Tensor> wqkv, std::vector<int64_t> wqkv_i,
+                                         c10::optional<torch::Tensor> bias, torch::Tensor cos, torch::Tensor sin,
+                                         int64_t nh, int64_t nkv, int64_t hs) {
+  auto h = rms_norm(x, norm_w, eps);
+  auto qkv = apply(product_from(wqkv, wqkv_i), h);
+  if (bias.has_value()) qkv = qkv + *bias;
+  qkv = qkv.contiguous();
+  rope_rows(qkv, cos, sin, nh + nkv, hs);
+  const int64_t R = qkv.size(0);
+  return {qkv.narrow(1, 0, nh * hs).view({R, nh, hs}), qkv.narrow(1, nh * hs, nkv * hs).view({R, nkv, hs}),
+          qkv.narrow(1, (nh + nkv) * hs, nkv * hs).view({R, nkv, hs})};
+}
+
+template <typename KT>
+void attend_row(const float* q, const KT* K, const KT* V, int64_t ks, int64_t vs, const float* bias,
+                const int64_t* idx, int64_t n, int64_t hs, float scale, float* scores, float* out) {
+  // scores over the compacted slots, each dot product in LANES partial sums over the head dim
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) {
+    const KT* k = K + idx[j] * ks;
+    float acc[LANES] = {0};
+    int64_t d = 0;
+    for (; d + LANES <= hs; d += LANES)
+      for (int l = 0; l < LANES; ++l) acc[l] += q[d + l] * f32(k[d + l]);
+    for (int l = 0; d < hs; ++d, ++l) acc[l] += q[d] * f32(k[d]);
+    for (int w2 = LANES / 2; w2 > 0; w2 /= 2)
+      for (int l = 0; l < w2; ++l) acc[l] += acc[l + w2];
+    float sc = acc[0] * scale + (bias ? bias[idx[j]] : 0.0f);
+    scores[j] = sc;
+    mx = sc > mx ? sc : mx;
+  }
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    scores[j] = std::exp(scores[j] - mx);
+    sum += scores[j];
+  }
+  for (int64_t d = 0; d < hs; ++d) out[d] = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    const KT* v = V + idx[j] * vs;
+    const float p = scores[j];
+    for (int64_t d = 0; d < hs; ++d) out[d] += p * f32(v[d]);
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t d = 0; d < hs; ++d) out[d] *= inv;
+}
+
+// q: (B, T, nh, hs) bfloat16 (any strides, last dim contiguous); k, v: (B, nkv, S, hs) (bfloat16,
+// float32 or float64; any strides, last dim contiguous); bias: (B, 1, T, S) float additive (0 / -inf)
+// or None (every slot, or with `causal` the slots up to the row's own). Returns (B, T, nh, hs)
+// bfloat16. Each (b, t, head) row attends to its allowed slots.
+template <typename KT>
+torch::Tensor attention_impl(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> bias,
+                             double scale, bool causal) {
+  const int64_t B = q.size(0), T = q.size(1), nh = q.size(2), hs = q.size(3);
+  const int64_t nkv = k.size(1), S = k.size(2), g = nh / nkv;
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "attention: the head dim must be contiguous");
+  auto out = torch::empty({B, T, nh, hs}, q.options());
+  torch::Tensor bf;
+  if (bias.has_value()) bf = bias->to(torch::kFloat).contiguous();
+  const float* bp = bias.has_value() ? bf.data_ptr<float>() : nullptr;
+  const auto* qp = q.data_ptr<at::BFloat16>();
+  const KT* kp = k.data_ptr<KT>();
+  const KT* vp = v.data_ptr<KT>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  const auto qs = q.strides(), kst = k.strides(), vst = v.strides();
+  at::parallel_for(0, B * T, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<int64_t> idx(S);
+    std::vector<float> scores(S), qf(hs), of(hs);
+    for (int64_t bt = lo; bt < hi; ++bt) {
+      const int64_t b = bt / T, t = bt % T;
+      const float* brow = bp ? bp + (b * T + t) * S : nullptr;
+      int64_t n = 0;
+      const int64_t last = causal ? S - T + t : S - 1;  // causal: a prompt block after S - T cached slots
+      for (int64_t s = 0; s <= last; ++s)
+        if (!brow || brow[s] != -std::numeric_limits<float>::infinity()) idx[n++] = s;
+      for (int64_t h = 0; h < nh; ++h) {
+        const at::BFloat16* qr = qp + b * qs[0] + t * qs[1] + h * qs[2];
+        for (int64_t d = 0; d < hs; ++d) qf[d] = f32(qr[d]);
+        const int64_t kh = h / g;
+        attend_row<KT>(qf.data(), kp + b * kst[0] + kh * kst[1], vp + b * vst[0] + kh * vst[1], kst[2], vst[2],
+                       brow, idx.data(), n, hs, static_cast<float>(scale), scores.data(), of.data());
+        at::BFloat16* o = op + ((b * T + t) * nh + h) * hs;
+        for (int64_t d = 0; d < hs; ++d) o[d] = at::BFloat16(of[d]);
+      }
+    }
+  });
+  return out;
+}
+
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> bias,
+                        double scale, bool causal) {
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "attention: q must be bfloat16");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "attention: k and v must share a dtype");
+  switch (k.scalar_type()) {
+    case torch::kBFloat16: return attention_impl<at::BFloat16>(q, k, v, bias, scale, causal);
+    case torch::kFloat: return attention_impl<float>(q, k, v, bias, scale, causal);
+    case torch::kDouble: return attention_impl<double>(q, k, v, bias, scale, causal);
+    default: TORCH_CHECK(false, "attention: unsupported cache dtype ", k.scalar_type());
+  }
+}
+
+// out[r, i] = bf16(silu(gu[r, i]) * gu[r, H + i]), gu: (R, 2H) bfloat16.
+torch::Tensor silu_mul(torch::Tensor gu) {
+  gu = gu.contiguous();
+  const int64_t R = gu.size(0), H = gu.size(1) / 2;
+  auto out = torch::empty({R, H}, gu.options());
+  const auto* g = gu.data_ptr<at::BFloat16>();
+  auto* o = out.data_ptr<at::BFloat16>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < H; ++i) {
+      const float a = f32(g[r * 2 * H + i]), u = f32(g[r * 2 * H + H + i]);
+      o[r * H + i] = at::BFloat16(a / (1.0f + std::exp(-a)) * u);
+    }
+  return out;
+}
+
+// x: (R, dim), y: (R, nh hs) the attention's output, both bfloat16 -> the layer's output (R, dim).
+torch::Tensor post_attention(torch::Tensor x, torch::Tensor y, std::vector<torch::Tensor> wo, std::vector<int64_t> wo_i,
+                             c10::optional<torch::Tensor> bo, torch::Tensor norm_w, double eps,
+                             std::vector<torch::Tensor> w13, std::vector<int64_t> w13_i, std::vector<torch::Tensor> w2,
+                             std::vector<int64_t> w2_i) {
+  auto o = apply(product_from(wo, wo_i), y);
+  if (bo.has_value()) o = o + *bo;
+  x = x + o;
+  auto gu = apply(product_from(w13, w13_i), rms_norm(x, norm_w, eps));
+  return x + apply(product_from(w2, w2_i), silu_mul(gu));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("pre_attention", &pre_attention);
+  m.def("attention", &attention);
+  m.def("silu_mul", &silu_mul);
+  m.def("post_attention", &post_attention);
+}

@@ -1,0 +1,124 @@
+"""The fused C++ kernels of a decode step (csrc/decode_ops.cpp), built with the system compiler.
+
+    python -m components.model.native        # what `make setup` runs: build, or say in one line why not
+
+The extension is compiled for this CPU (`-march=native`) into `build/native/<key>/`, where the key
+digests the source, torch's version and the CPU's model and flags: a clone moved to another machine
+builds again, never loads code for another CPU. `load()` returns the module, or None where it is not
+built and cannot be (no compiler, a failed build): the model then runs its pure-torch path, which
+is also the reference the kernels are tested against (tests/test_native.py). LLM_DECODE_NATIVE=0
+turns the kernels off, as `model.native=false` does.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_ops.cpp"
+BUILD_ROOT = Path(__file__).resolve().parents[2] / "build" / "native"
+FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c++17", "-fopenmp", "-DNDEBUG"]
+
+_module = None
+_tried = False
+_why = ""
+
+
+def _cpu() -> str:
+    info = Path("/proc/cpuinfo")
+    if not info.is_file():
+        return ""
+    first = info.read_text().split("\n\n")[0]
+    return "|".join(line for line in first.splitlines() if line.startswith(("model name", "flags")))
+
+
+def key() -> str:
+    parts = [SOURCE.read_text(), torch.__version__, _cpu(), " ".join(FLAGS), sys.version]
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def library() -> Path:
+    name = f"decode_ops_{key()}"
+    return BUILD_ROOT / key() / (name + sysconfig.get_config_var("EXT_SUFFIX"))
+
+
+def build() -> Path:
+    """Compile the extension for this machine (about a minute); raises RuntimeError with the
+    compiler's last lines on failure."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (install g++)")
+    out = library()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    name = out.name.split(".")[0]
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    cmd = [cxx, *FLAGS, str(SOURCE), "-o", str(tmp), f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           *(f"-I{p}" for p in include_paths()), f"-I{sysconfig.get_paths()['include']}",
+           *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
+           *(f"-Wl,-rpath,{p}" for p in library_paths())]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        tail = " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])
+        raise RuntimeError(f"{Path(cxx).name} failed: {tail}")
+    os.replace(tmp, out)  # atomic: a concurrent loader sees the whole library or none
+    return out
+
+
+def _import(path: Path):
+    name = path.name.split(".")[0]
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def load(build_if_missing: bool = False):
+    """The extension module, or None (then `why()` says why). Built only when asked (make setup)."""
+    global _module, _tried, _why
+    if _tried and not (build_if_missing and _module is None):
+        return _module
+    _tried = True
+    if os.environ.get("LLM_DECODE_NATIVE", "1") == "0":
+        _why = "turned off (LLM_DECODE_NATIVE=0)"
+        return None
+    path = library()
+    try:
+        if not path.is_file():
+            if not build_if_missing:
+                _why = "not built for this machine: run `make setup`"
+                return None
+            build()
+        _module = _import(path)
+        _why = ""
+    except (RuntimeError, OSError, ImportError) as e:
+        _module, _why = None, str(e)
+    return _module
+
+
+def why() -> str:
+    return _why
+
+
+def main() -> int:
+    mod = load(build_if_missing=True)
+    if mod is None:
+        print(f"native kernels not built ({why()}): decoding uses the pure-torch path", file=sys.stderr)
+        return 0  # a fallback, not a failure: make setup goes on
+    print(f"native kernels built for this CPU: {library()}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
