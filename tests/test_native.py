@@ -61,6 +61,21 @@ def test_silu_mul(rows):
     assert rows_invariant(ops.silu_mul, gu)
 
 
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (576, 49152), (100, 8)])  # (in, out); 100: a K tail
+@pytest.mark.parametrize("rows", ROWS)
+def test_bf16_mm(shape, rows):
+    """The native bfloat16 product (layer matrices and the LM head): float32 sums of exact bfloat16
+    products, so within float32 rounding of the float64 product; bit for bit across row counts."""
+    k, n = shape
+    w = (torch.randn(n, k, generator=gen(11)) * 0.05).bfloat16()  # (out, in)
+    x = torch.randn(rows, k, generator=gen(rows)).bfloat16()
+    got = ops.bf16_mm(x, w, False)
+    ref = x.double() @ w.double().t()
+    assert float((got.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    assert torch.equal(ops.bf16_mm(x, w, True), got.bfloat16())
+    assert rows_invariant(lambda t: ops.bf16_mm(t, w, False), x)
+
+
 def torch_pre_attention(x, w, wqkv, cos, sin, nh, nkv, hs):
     """The pure-torch order: RMSNorm, the product, RoPE in float32 rounded once."""
     qkv = wqkv(F.rms_norm(x, x.shape[-1:], w, eps=1e-5)).float()
@@ -81,7 +96,7 @@ def test_pre_attention(precision, rows):
         spec, fn = m.spec(), m
     else:
         wb = w.bfloat16()
-        spec, fn = ([wb], [0, 0, 1]), (lambda t: t @ wb)
+        spec, fn = ([wb.t().contiguous()], [5, 0, 1]), (lambda t: t @ wb)  # the native product, as Dense.spec gives it
     x = torch.randn(rows, dim, generator=gen(rows)).bfloat16()
     nw = (1 + 0.1 * torch.randn(dim, generator=gen(3))).bfloat16()
     freqs = torch.arange(rows, dtype=torch.float32)[:, None] * (1 / 10000 ** (torch.arange(0, hs, 2) / hs))

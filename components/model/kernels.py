@@ -74,13 +74,13 @@ class KernelPlan:
     def kernel(self, product: str, rows: int) -> str:
         return self.kernels.get(product, {}).get(self.bucket(rows), "xw")
 
-    @property
-    def invariant(self) -> bool:
-        """Every product has a batch-invariant path here (then a tree's rows get the plain steps' bits)."""
-        return self.probed and all(v > 0 for v in self.min_rows.values())
+    def invariant(self, products=PRODUCTS) -> bool:
+        """Every one of `products` has a batch-invariant path here (then a tree's rows get the plain
+        steps' bits)."""
+        return self.probed and all(self.min_rows[p] > 0 for p in products)
 
-    def lossy(self) -> list[str]:
-        return [p for p, v in self.min_rows.items() if v <= 0]
+    def lossy(self, products=PRODUCTS) -> list[str]:
+        return [p for p in products if self.min_rows[p] <= 0]
 
     def to_json(self) -> dict:
         return {"kernels": self.kernels, "min_rows": self.min_rows}

@@ -36,10 +36,19 @@ class Dense(nn.Module):
 
     def spec(self, kernel: str) -> tuple[list[torch.Tensor], list[int]]:
         """This product for the native kernels (csrc/decode_ops.cpp `Product`): tensors, (kind, group,
-        min_rows). The same torch kernel as `forward` with this kernel name."""
+        min_rows). bfloat16 with its [out, in] copy: the native product (`bf16_mm`, invariant at any
+        row count by construction); otherwise the torch kernel `forward` takes for this kernel name."""
+        if self.native_ok:
+            return [self.weight_t], [5, 0, 1]
         if kernel == "linear" and self.weight_t is not None:
             return [self.weight_t], [1, 0, self.min_rows]
         return [self.weight], [0, 0, self.min_rows]
+
+    @property
+    def native_ok(self) -> bool:
+        """Whether the native path computes this product with its own kernel."""
+        wt = self.weight_t
+        return wt is not None and wt.dtype == torch.bfloat16 and wt.is_contiguous() and wt.shape[0] % 4 == 0
 
     def dense(self) -> torch.Tensor:
         return self.weight.detach()

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from components.model.kernels import KernelPlan, matmul
+from components.model.kernels import PRODUCTS, KernelPlan, matmul
 from components.model.linear import Dense
 from pipeline.core import StepBatch
 
@@ -314,6 +314,19 @@ class Transformer(nn.Module):
         kv.end_step(batch)
         return self.norm(x)
 
+    def torch_products(self) -> list[str]:
+        """The products (kernels.PRODUCTS) computed by torch's kernels, whose batch invariance the
+        plan's probe vouches for; the native path computes the others with its own kernels,
+        invariant by construction (tests/test_native.py)."""
+        if self.native is None:
+            return list(PRODUCTS)
+        plan = self.layers[0].plan if self.layers else KernelPlan()
+        out = [n for n in Block.MATRICES if self.layers and not (isinstance(m := getattr(self.layers[0], n), Dense) and m.native_ok)]
+        wt = self.tok_embeddings.weight if self.args.tie_embeddings else getattr(self, "lm_head_t", None)
+        if (plan.kernel("head", 1) == "int8" and self.head_q8 is not None) or wt is None or wt.shape[0] % 4:
+            out.append("head")
+        return out
+
     def use_native(self, enable: bool = True) -> bool:
         """Run cached steps through the fused kernels where they are built (bfloat16 and q4 on CPU;
         float32 stays on torch's path, equal to transformers). Returns whether they are in use. Set
@@ -332,6 +345,10 @@ class Transformer(nn.Module):
         kernel = plan.kernel("head", rows)
         if kernel == "int8" and self.head_q8 is not None:
             return self.head_q8(hidden).float()
+        if self.native is not None and wt is not None and wt.shape[0] % 4 == 0:  # float32 logits, never rounded
+            h = hidden.reshape(-1, hidden.shape[-1])
+            return self.native.bf16_mm(h if h.dtype == torch.bfloat16 else h.bfloat16(), wt, False).view(
+                *hidden.shape[:-1], wt.shape[0])
         return matmul(hidden, self.lm_head, wt, "xw" if kernel == "int8" else kernel, plan.min_rows["head"]).float()
 
     def optimize_for_decoding(self, cache=None):

@@ -48,14 +48,17 @@ class Backbone:
         """Whether a row's bits are independent of the rows computed with it (then speculation is
         lossless by construction; float32 is lossless in practice, a near-tie could flip)."""
         m = self.model
-        return m.precision != "float32" and bool(m.layers) and m.layers[0].plan.invariant
+        if m.precision == "float32" or not m.layers:
+            return False
+        torch_products = m.torch_products()
+        return not torch_products or m.layers[0].plan.invariant(torch_products)
 
     def describe(self) -> dict:
         """What results.json / bench.json record of the backbone."""
         out = {"model": self.name, "precision": self.precision, "device": str(self.model.device),
                "batch_invariant": self.batch_invariant, "native_kernels": self.model.native is not None}
         if self.precision != "float32" and not self.batch_invariant and self.model.layers:
-            out["not_invariant"] = self.model.layers[0].plan.lossy()
+            out["not_invariant"] = self.model.layers[0].plan.lossy(self.model.torch_products())
         if self.precision_costs:
             out["precision_auto"] = {"chosen": self.precision, "candidates": self.precision_costs}
         return out
@@ -64,10 +67,12 @@ class Backbone:
         """The one line a speculative or batched run gets where this precision has no batch-invariant
         path on this machine (its tokens may then differ from plain greedy at batch 1)."""
         plan = self.model.layers[0].plan if self.model.layers else None
-        if not (speculative or batched) or self.precision == "float32" or plan is None or not plan.probed or plan.invariant:
+        if not (speculative or batched) or self.precision == "float32" or plan is None or self.batch_invariant:
+            return None
+        if not plan.probed:
             return None  # an unprobed plan: a model not optimized for decoding (tiny test models)
         what = "speculative" if speculative else "batched"
-        lossy = ", ".join(plan.lossy())
+        lossy = ", ".join(plan.lossy(self.model.torch_products()))
         return (f"{self.precision} has no batch-invariant kernel on this machine ({lossy}): this {what} run may give "
                 f"other tokens than plain greedy at batch 1; model.dtype=float32 (or auto) keeps it lossless")
 

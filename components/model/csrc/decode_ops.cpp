@@ -11,6 +11,7 @@
 // therefore never depend on which or how many rows come with it (batch invariance by construction).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <cmath>
 #include <limits>
@@ -22,9 +23,85 @@ constexpr int LANES = 16;  // partial sums per reduction: vectorizes on AVX2 and
 
 template <typename T> inline float f32(T v) { return static_cast<float>(v); }
 
+// y = x W^T for bfloat16 x (M, K) and W (N, K) (the LM head as the embedding stores it, or a
+// matrix's [out, in] copy): each output a dot product along K, for a block of NB outputs and RB
+// rows at a time, so each loaded weight serves RB rows from registers. With avx512_bf16 the dot
+// products are `vdpbf16ps` (32 products an instruction, exact in float32, summed in float32 lanes),
+// else float32 FMAs in LANES partial sums. Either way a row's sums run in an order fixed by K
+// alone: its bits never depend on the other rows. Returns float32 or bfloat16 (`out_bf16`).
+constexpr int64_t NB = 4, RB = 4;
+
+#if defined(__AVX512BF16__)
+template <int R>
+inline void dot_block(const at::BFloat16* x, int64_t K, const at::BFloat16* w, float* y, int64_t N) {
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NB; ++n) acc[r][n] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh wv[NB];
+    for (int n = 0; n < NB; ++n) wv[n] = (__m512bh)_mm512_loadu_si512(w + n * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * K + k);
+      for (int n = 0; n < NB; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], xv, wv[n]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NB; ++n) {
+      float t = _mm512_reduce_add_ps(acc[r][n]);
+      for (int64_t kk = k; kk < K; ++kk) t += f32(x[r * K + kk]) * f32(w[n * K + kk]);
+      y[r * N + n] = t;
+    }
+}
+#else
+template <int R>
+inline void dot_block(const at::BFloat16* x, int64_t K, const at::BFloat16* w, float* y, int64_t N) {
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NB; ++n) {
+      float acc[LANES] = {0};
+      int64_t k = 0;
+      for (; k + LANES <= K; k += LANES)
+        for (int l = 0; l < LANES; ++l) acc[l] += f32(x[r * K + k + l]) * f32(w[n * K + k + l]);
+      for (int l = 0; k < K; ++k, ++l) acc[l] += f32(x[r * K + k]) * f32(w[n * K + k]);
+      for (int w2 = LANES / 2; w2 > 0; w2 /= 2)
+        for (int l = 0; l < w2; ++l) acc[l] += acc[l + w2];
+      y[r * N + n] = acc[0];
+    }
+}
+#endif
+
+torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor w, bool out_bf16) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16, "bf16_mm: bfloat16 inputs");
+  x = x.contiguous();
+  TORCH_CHECK(w.is_contiguous(), "bf16_mm: W must be contiguous (N, K)");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && N % NB == 0, "bf16_mm: bad shapes");
+  auto yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  const auto* xp = x.data_ptr<at::BFloat16>();
+  const auto* wp = w.data_ptr<at::BFloat16>();
+  float* yp = yf.data_ptr<float>();
+  at::parallel_for(0, N / NB, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const at::BFloat16* wb = wp + b * NB * K;
+      for (int64_t r0 = 0; r0 < M; r0 += RB) {
+        const at::BFloat16* xr = xp + r0 * K;
+        float* yr = yp + r0 * N + b * NB;
+        switch (std::min(RB, M - r0)) {
+          case 1: dot_block<1>(xr, K, wb, yr, N); break;
+          case 2: dot_block<2>(xr, K, wb, yr, N); break;
+          case 3: dot_block<3>(xr, K, wb, yr, N); break;
+          default: dot_block<4>(xr, K, wb, yr, N); break;
+        }
+      }
+    }
+  });
+  return out_bf16 ? yf.to(torch::kBFloat16) : yf;
+}
+
 // A product y = x W as the plan computes it: kind 0 `x @ W` on [in, out], 1 `linear` on [out, in],
 // 2 torch's int4 kernel (a = packed, b = scales and zeros), 3 torch's int8 kernel (a = codes, b = row
-// scales); x padded with zero rows to `min_rows` first.
+// scales), 5 the native bfloat16 product (`bf16_mm`, a = W [out, in]); x padded with zero rows to
+// `min_rows` first.
 struct Product {
   int64_t kind;
   torch::Tensor a, b;
@@ -44,6 +121,7 @@ torch::Tensor apply(const Product& p, torch::Tensor x) {  // x: (n, in) -> (n, o
     case 1: y = at::linear(x, p.a); break;
     case 2: y = at::_weight_int4pack_mm_for_cpu(x, p.a, p.group, p.b); break;
     case 3: y = at::_weight_int8pack_mm(x.contiguous(), p.a, p.b); break;
+    case 5: y = bf16_mm(x, p.a, true); break;
     default: TORCH_CHECK(false, "unknown product kind ", p.kind);
   }
   return y.size(0) == n ? y : y.narrow(0, 0, n);
@@ -229,6 +307,7 @@ torch::Tensor post_attention(torch::Tensor x, torch::Tensor y, std::vector<torch
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
+  m.def("bf16_mm", &bf16_mm);
   m.def("pre_attention", &pre_attention);
   m.def("attention", &attention);
   m.def("silu_mul", &silu_mul);
