@@ -5,9 +5,10 @@ batch of requests, then `repeats` rounds, each running every pipeline over the w
 listed order (A B A B ...), so a drift in machine speed hits all of them alike. The first listed is
 the baseline. Each entry is composed like `python -m pipeline decode=<name> <common> <entry
 overrides>`, where the common overrides are the ones given to the bench itself; one backbone is
-loaded per distinct model config and shared. Every runner (our Engine, or a Hugging Face peer) gets
-a whole round at once, `runner.run(prompts, seeds)`, so `batch_size=B` batches every pipeline, the
-peers included; request k samples with seed + k. Writes bench.json into the run directory and prints
+loaded per distinct model config and shared. Every runner (our Engine, a Hugging Face peer,
+llama.cpp or vLLM: pipeline/llama_cpp_peer.py, pipeline/vllm_peer.py) gets a whole round at once,
+`runner.run(prompts, seeds)`, so `batch_size=B` batches every pipeline, the peers included;
+request k samples with seed + k. Writes bench.json into the run directory and prints
 a Markdown table.
 """
 from __future__ import annotations
@@ -27,16 +28,18 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from pipeline.build import build_engine, component, model_key, needs_invariance, positive_int
+from pipeline.build import build_engine, component, model_key, needs_invariance, positive_int, step_rows
 from pipeline.cli import CONF_DIR, check_overrides, compose_config, groups
 from pipeline.decode import first_divergence, gen_fields, run_requests, summarize
 from pipeline.errors import UserError, one_line_errors
 from pipeline.hf_peer import GENERATE_KNOBS, PEERS, HFPeer, to_hf
-from pipeline import llama_cpp_peer
+from pipeline import llama_cpp_peer, vllm_peer
 from pipeline.io import run_dir, write_json
 from pipeline.requests import encode, load_requests
 
 DEFAULT_INPUT = Path(__file__).resolve().parent / "prompts" / "bench.jsonl"
+# peers in other programs, optional installs: name -> their module (available(), INSTALL_HINT)
+OUTSIDE_PEERS = {"llama_cpp": llama_cpp_peer, "vllm": vllm_peer}
 # read by the bench itself; every other override given to the bench is passed to each pipeline
 BENCH_KEYS = ("decodes", "repeats", "input", "prompt", "max_new_tokens", "stream")
 
@@ -51,7 +54,7 @@ class Entry:
 @dataclass
 class Pipeline:
     entry: Entry
-    runner: object  # an Engine or an HFPeer: `.run(prompts, seeds) -> list[Generation]`
+    runner: object  # an Engine or a peer: `.run(prompts, seeds) -> list[Generation]`
     backbone: object
     prompts: list[list[int]]
     seeds: list[int]  # request k: the pipeline's seed + k
@@ -73,15 +76,24 @@ def parse_entries(decodes) -> list[Entry]:
         if not parts:
             raise UserError("decodes holds an empty entry: give preset names, e.g. decodes=[greedy,tree_ngram]")
         name, overrides = parts[0], parts[1:]
-        if name not in known and name not in PEERS and name != "llama_cpp":
-            raise UserError(f"unknown decode {name!r} in decodes; known: {', '.join(known + sorted(PEERS))}, llama_cpp")
+        if name not in known and name not in PEERS and name not in OUTSIDE_PEERS:
+            raise UserError(f"unknown decode {name!r} in decodes; known: "
+                            f"{', '.join(known + sorted(PEERS) + list(OUTSIDE_PEERS))}")
         label = " ".join(parts)
         if any(e.label == label for e in out):
             raise UserError(f"decodes lists {label!r} twice")
         out.append(Entry(label, name, overrides))
+        if name == "vllm":  # its options are checked before anything loads, installed or not
+            vllm_speculation(out[-1])
     if not out:
         raise UserError("nothing to benchmark: pass decodes=[greedy,tree_ngram]")
     return out
+
+
+def vllm_speculation(entry: Entry) -> dict | None:
+    """A `vllm` entry's speculative_config from its options (`speculative=ngram ...`)."""
+    return vllm_peer.speculative_config({_key(o): yaml.safe_load(o.split("=", 1)[1])
+                                         for o in entry.overrides if _key(o) in vllm_peer.KNOBS})
 
 
 def common_overrides(cfg: DictConfig, given: list[str]) -> list[str]:
@@ -98,8 +110,9 @@ def compose(entry: Entry, common: list[str]) -> DictConfig:
     and keeps its `generate` knobs out of it. A transformers peer computes in a dense precision:
     `auto` / `q4` become float32 for it (its fastest on CPU; `"hf_greedy model.dtype=bfloat16"`
     measures the other)."""
-    peer = entry.name in PEERS or entry.name == "llama_cpp"
-    own = [o for o in entry.overrides if not (peer and _key(o) in GENERATE_KNOBS)]
+    peer = entry.name in PEERS or entry.name in OUTSIDE_PEERS
+    knobs = vllm_peer.KNOBS if entry.name == "vllm" else GENERATE_KNOBS
+    own = [o for o in entry.overrides if not (peer and _key(o) in knobs)]
     overrides = [f"decode={'greedy' if peer else entry.name}", *common, *own]
     try:
         cfg = compose_config(overrides)
@@ -127,22 +140,28 @@ def bench(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[dict, di
     entries = parse_entries(cfg.decodes)
     reqs = load_requests(None if cfg.get("prompt") is not None else str(cfg.get("input") or DEFAULT_INPUT),
                          cfg.get("prompt"))
-    if any(e.name == "llama_cpp" for e in entries) and not llama_cpp_peer.available():
-        print(f"bench: skipping llama_cpp: not installed ({llama_cpp_peer.INSTALL_HINT})", file=sys.stderr)
-        entries = [e for e in entries if e.name != "llama_cpp"]
-        if not entries:
-            raise UserError(f"nothing to benchmark: llama_cpp is not installed ({llama_cpp_peer.INSTALL_HINT})")
-    pipes, backbones = build_pipelines(entries, common_overrides(cfg, given), reqs)
-    for p in pipes:  # warm-up on one batch: first-call allocations, pool growth, lazy initialisation
-        p.runner.run(p.prompts[:p.batch_size], p.seeds[:p.batch_size])  # stay out of the timing
-    for r in range(repeats):
+    for name, peer in OUTSIDE_PEERS.items():
+        if any(e.name == name for e in entries) and not peer.available():
+            print(f"bench: skipping {name}: not installed ({peer.INSTALL_HINT})", file=sys.stderr)
+            entries = [e for e in entries if e.name != name]
+            if not entries:
+                raise UserError(f"nothing to benchmark: {name} is not installed ({peer.INSTALL_HINT})")
+    pipes, backbones = build_pipelines(entries, common_overrides(cfg, given), reqs, run_dir(cfg))
+    try:
+        for p in pipes:  # warm-up on one batch: first-call allocations, pool growth, lazy initialisation
+            p.runner.run(p.prompts[:p.batch_size], p.seeds[:p.batch_size])  # stay out of the timing
+        for r in range(repeats):
+            for p in pipes:
+                gens, wall = run_requests(p.runner, p.prompts, p.seeds)
+                p.walls.append(wall)
+                p.tokens.append(sum(len(g.token_ids) for g in gens))
+                p.gens = gens
+            print(f"round {r + 1}/{repeats}: " + ", ".join(f"{p.entry.label} {p.tokens[-1] / p.walls[-1]:.1f} "
+                                                           "tokens/s" for p in pipes), file=sys.stderr, flush=True)
+    finally:  # a peer in another process (vLLM) ends with the bench, measured or not
         for p in pipes:
-            gens, wall = run_requests(p.runner, p.prompts, p.seeds)
-            p.walls.append(wall)
-            p.tokens.append(sum(len(g.token_ids) for g in gens))
-            p.gens = gens
-        print(f"round {r + 1}/{repeats}: " + ", ".join(f"{p.entry.label} {p.tokens[-1] / p.walls[-1]:.1f} tokens/s"
-                                                       for p in pipes), file=sys.stderr, flush=True)
+            if isinstance(p.runner, vllm_peer.VllmPeer):
+                p.runner.close()
     base = pipes[0]
     result = {"baseline": base.entry.label, "repeats": repeats, "requests": len(reqs),
               "max_new_tokens": int(cfg.max_new_tokens),
@@ -158,18 +177,22 @@ def bench(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[dict, di
     return {**result, "bench_path": str(path)}, {"pipelines": pipes, "backbones": backbones}
 
 
-def build_pipelines(entries: list[Entry], common: list[str], reqs) -> tuple[list[Pipeline], list]:
+def build_pipelines(entries: list[Entry], common: list[str], reqs, out_dir: Path) -> tuple[list[Pipeline], list]:
     """One runner per entry; backbones (and their HF copies) are shared between entries with the
-    same model config, and requests are tokenized once per model and chat setting."""
+    same model config, and requests are tokenized once per model and chat setting. `out_dir`: the
+    run directory (a vLLM peer's log, and the HF folder of a model that has no file)."""
     backbones, hf_models, encoded, pipes = {}, {}, {}, []
     composed = [(e, compose(e, common)) for e in entries]
     invariant: dict[str, bool] = {}  # model key -> does any entry on it speculate or batch
+    rows: dict[str, int] = {}  # model key -> the largest step any entry on it makes
     for e, pcfg in composed:
-        invariant[model_key(pcfg)] = invariant.get(model_key(pcfg), False) or needs_invariance(pcfg)
+        key = model_key(pcfg)
+        invariant[key] = invariant.get(key, False) or needs_invariance(pcfg)
+        rows[key] = max(rows.get(key, 1), step_rows(pcfg))
     for e, pcfg in composed:
         key = model_key(pcfg)
         if key not in backbones:
-            backbones[key] = component(pcfg.model, invariant=invariant[key])
+            backbones[key] = component(pcfg.model, invariant=invariant[key], step_rows=rows[key])
         bb = backbones[key]
         if e.name == "llama_cpp":
             from components.model.load import smollm2_gguf
@@ -177,6 +200,11 @@ def build_pipelines(entries: list[Entry], common: list[str], reqs) -> tuple[list
             runner = llama_cpp_peer.LlamaCppPeer(path, bb.eos_ids, positive_int(pcfg, "max_new_tokens"),
                                                  n_ctx=min(bb.model.args.max_seq_len, 4096),
                                                  batch_size=positive_int(pcfg, "batch_size"))
+        elif e.name == "vllm":
+            runner = vllm_peer.VllmPeer(vllm_peer.hf_folder(pcfg.model, bb, out_dir), bb.eos_ids,
+                                        positive_int(pcfg, "max_new_tokens"), bb.model.args.max_seq_len,
+                                        batch_size=positive_int(pcfg, "batch_size"), speculative=vllm_speculation(e),
+                                        log_path=out_dir / (e.label.replace(" ", "_").replace("/", "_") + ".log"))
         elif e.name in PEERS:
             if key not in hf_models:
                 hf_models[key] = to_hf(bb)
@@ -242,6 +270,7 @@ def pipeline_report(p: Pipeline, base: Pipeline, reqs) -> dict:
               **p.backbone.describe(),
               **({"precision": "llama.cpp (the GGUF as shipped)", "sequential": True}
                  if isinstance(p.runner, llama_cpp_peer.LlamaCppPeer) else {}),
+              **(p.runner.describe() if isinstance(p.runner, vllm_peer.VllmPeer) else {}),
               "mean_step_ms": rnd(statistics.mean(steps_ms) if steps_ms else None),
               "tree_step_ms": rnd(s["tree_step_ms"]), "plain_step_ms": rnd(s["plain_step_ms"]),
               "acceptance_by_depth": {d: round(v, 3) for d, v in s["acceptance_by_depth"].items()},

@@ -92,6 +92,14 @@ def needs_invariance(cfg: DictConfig) -> bool:
     return is_speculative(cfg) or OmegaConf.select(cfg, "batch_size", default=1) > 1
 
 
+def step_rows(cfg: DictConfig) -> int:
+    """The rows of a full step of this run: batch size x (1 + the tree's drafts), what
+    `model.dtype=auto` weighs."""
+    batch = OmegaConf.select(cfg, "batch_size", default=1)
+    drafts = OmegaConf.select(cfg, "proposer.max_nodes", default=None) if is_speculative(cfg) else 0
+    return max(1, int(batch)) * (1 + int(drafts or 0))
+
+
 def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -> tuple[Engine, object]:
     """Returns (engine, backbone). Pass `backbone` to reuse one already loaded (benchmarks).
     with_constraint=False leaves the configured constraint out (the caller passes each request's)."""
@@ -100,7 +108,7 @@ def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -
     if with_constraint:
         check_constraint(constraint_node(cfg))
     if backbone is None:
-        backbone = component(cfg.model, invariant=needs_invariance(cfg))
+        backbone = component(cfg.model, invariant=needs_invariance(cfg), step_rows=step_rows(cfg))
     notice = backbone.lossless_notice(is_speculative(cfg), batch > 1)
     if notice:
         print(notice, file=sys.stderr)

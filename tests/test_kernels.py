@@ -121,7 +121,7 @@ def test_no_invariant_path_is_said_in_one_line_and_in_results(monkeypatch, capsy
 def test_auto_skips_a_precision_without_an_invariant_path_for_speculative_runs(monkeypatch):
     costs = {"float32": {"ms": 9.0, "invariant": False}, "bfloat16": {"ms": 3.0, "invariant": False},
              "q4": {"ms": 5.0, "invariant": True}}
-    monkeypatch.setattr(kernels, "precision_costs", lambda *a: {c: costs[c] for c in a[1]})
+    monkeypatch.setattr(kernels, "precision_costs", lambda *a, **k: {c: costs[c] for c in a[1]})
     args = llama.LlamaArgs()
     assert load.resolve_precision("auto", list(costs), args, torch.device("cpu"))[0] == "bfloat16"
     assert load.resolve_precision("auto", list(costs), args, torch.device("cpu"), invariant=True)[0] == "q4"
@@ -129,10 +129,34 @@ def test_auto_skips_a_precision_without_an_invariant_path_for_speculative_runs(m
     assert load.resolve_precision("bfloat16", list(costs), args, torch.device("cpu"), invariant=True)[0] == "bfloat16"
 
 
+def test_auto_weighs_the_rows_of_the_run(monkeypatch):
+    """`auto` is told the rows of the run's steps (batch size x tree rows) and picks by the cost
+    of a step that size: here q4 wins one row and bfloat16 a 24-sequence batch."""
+    from pipeline.build import step_rows
+    seen = []
+
+    def costs(args, candidates, device, cache, rows=1, native=True):
+        seen.append(rows)
+        ms = {"float32": 9.0 * rows, "bfloat16": 3.0 + 0.1 * rows, "q4": 1.0 + 0.5 * rows}
+        return {c: {"ms": ms[c], "invariant": True, "rows": rows} for c in candidates}
+    monkeypatch.setattr(kernels, "precision_costs", costs)
+    args, cpu = llama.LlamaArgs(), torch.device("cpu")
+    assert load.resolve_precision("auto", ["float32", "bfloat16", "q4"], args, cpu, step_rows=1)[0] == "q4"
+    assert load.resolve_precision("auto", ["float32", "bfloat16", "q4"], args, cpu, step_rows=24)[0] == "bfloat16"
+    assert seen == [1, 24]
+    assert step_rows(compose_config(["decode=greedy", "batch_size=24"])) == 24
+    assert step_rows(compose_config(["decode=tree_eagle", "batch_size=2", "tree.max_nodes=8"])) == 18
+    assert step_rows(compose_config(["decode=beam"])) == 1
+
+
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("dtype", ["bfloat16", "q4"])
-def test_precision_probe_on_model_shapes(dtype):
+def test_precision_probe_on_model_shapes(dtype, native):
     """The real probe on random matrices of a small model's shapes: each product of this machine's
-    kernels has an invariant path (what every CPU seen so far gives, padding included)."""
+    kernels has an invariant path (what every CPU seen so far gives, padding included), and a step
+    of more rows costs more."""
     args = llama.LlamaArgs(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128)
-    out = kernels.precision_costs(args, [dtype], torch.device("cpu"), None)[dtype]
-    assert out["ms"] > 0 and out["invariant"] is True
+    one = kernels.precision_costs(args, [dtype], torch.device("cpu"), None, rows=1, native=native)[dtype]
+    many = kernels.precision_costs(args, [dtype], torch.device("cpu"), None, rows=256, native=native)[dtype]
+    assert one["invariant"] is True and many["invariant"] is True
+    assert 0 < one["ms"] < many["ms"] and one["rows"] == 1 and many["rows"] == 256

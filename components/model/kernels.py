@@ -235,59 +235,70 @@ def plan_for(model, cache: Path | None) -> KernelPlan:
     return plan
 
 
-def _precision_key(args, device: torch.device) -> str:
+def _precision_key(args, device: torch.device, native: bool) -> str:
     parts = [*machine_parts(device), f"{args.n_layers}x{args.dim}x{args.hidden_dim}x{args.n_heads}x{args.n_kv_heads}",
-             str(args.vocab_size), "precision-v2"]
+             str(args.vocab_size), f"native={native}", "precision-v3"]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 
 @torch.inference_mode()
-def precision_costs(args, candidates: list[str], device: torch.device, cache: Path | None) -> dict[str, dict]:
-    """Per precision: `ms`, the layer matrices of one plain step plus one 8-row tree, on random
-    matrices of the model's shapes (one layer, scaled to all), what `precision=auto` picks by; and
-    `invariant`, whether every product of the model's shapes (the LM head too) has a batch-invariant
-    path here (`min_invariant_rows`), without which a tree or a batch in that precision may give
-    other tokens than plain greedy. A few seconds; cached per machine, thread count and model shape."""
-    path = None if cache is None else cache / f"precisions-{_precision_key(args, device)}.json"
+def precision_costs(args, candidates: list[str], device: torch.device, cache: Path | None, rows: int = 1,
+                    native: bool = True) -> dict[str, dict]:
+    """Per precision: `ms`, the products of one step of `rows` rows (the run's batch size times its
+    tree's rows: one layer's four matrices scaled to all layers, plus the LM head), on random
+    matrices of the model's shapes with the kernels the model will run (the native ones where built
+    and `native`), what `precision=auto` picks by; and `invariant`, whether every product torch
+    computes has a batch-invariant path here (`min_invariant_rows`; the native products are
+    invariant by construction), without which a tree or a batch in that precision may give other
+    tokens than plain greedy. Seconds per new row count; cached per machine, thread count, model
+    shape and row count."""
+    from components.model import native as native_mod
+    ops = native_mod.load() if native and device.type == "cpu" else None
+    path = None if cache is None else cache / f"precisions-{_precision_key(args, device, ops is not None)}.json"
     known = json.loads(path.read_text()) if path is not None and path.is_file() else {}
-    todo = [c for c in candidates if c not in known]
+    todo = [c for c in candidates if f"{c}@{rows}" not in known]
     qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
     shapes = [(args.dim, qkv), (args.n_heads * args.head_dim, args.dim), (args.dim, 2 * args.hidden_dim),
               (args.hidden_dim, args.dim)]  # [in, out]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for mode in todo:
+        inv = next((v["invariant"] for k, v in known.items() if k.startswith(f"{mode}@")), None)
         try:
-            known[mode] = _precision_cost(mode, args, shapes, device, sync)
+            known[f"{mode}@{rows}"] = _precision_cost(mode, args, shapes, device, sync, rows, ops, inv)
         except RuntimeError:  # this device has no kernel for it (e.g. int4 on an old GPU): not a candidate
-            known[mode] = {"ms": float("inf"), "invariant": False}
+            known[f"{mode}@{rows}"] = {"ms": float("inf"), "invariant": False}
     if todo and path is not None:
         from pipeline.core import atomic_write
         atomic_write(path, json.dumps(known))
-    out = {c: known[c] for c in candidates if known[c]["ms"] != float("inf")}
-    return out or {"float32": {"ms": 0.0, "invariant": False}}
+    out = {c: {**known[f"{c}@{rows}"], "rows": rows} for c in candidates if known[f"{c}@{rows}"]["ms"] != float("inf")}
+    return out or {"float32": {"ms": 0.0, "invariant": False, "rows": rows}}
 
 
-def _precision_cost(mode: str, args, shapes, device, sync) -> dict:
-    """ms of the model's layer matrices for a plain step plus an 8-row tree in `mode` (one layer,
-    scaled), and whether each product has an invariant kernel (float32: never probed, see `measure`)."""
+def _precision_cost(mode: str, args, shapes, device, sync, rows: int, ops, invariant: bool | None) -> dict:
+    """ms of one step's products at `rows` rows in `mode`, and whether each product torch computes
+    has an invariant kernel (float32: never probed, see `measure`; `invariant`: already known)."""
     from components.model.linear import Int4, quantize_q4
-    total, invariant = 0.0, mode != "float32"
+    total, probe = 0.0, invariant is None and mode != "float32" and device.type == "cpu"
+    inv = mode != "float32" if invariant is None else invariant
     for k, n in [*shapes, (args.dim, args.vocab_size)]:
         w = torch.randn(k, n, device=device) * 0.02
         head = n == args.vocab_size
         if mode == "q4" and not head:
             m = Int4(*quantize_q4(w.t().cpu()), device=device)
-            fns = {"int4": m.product}
+            fns, native_product = {"int4": m.product}, False
             dt = torch.bfloat16
         else:
             dt = torch.bfloat16 if mode == "q4" else getattr(torch, mode)
             wd, wt = w.to(dt), w.t().contiguous().to(dt)
-            kernels = KERNELS if dt == torch.float32 else ("xw", "linear")
-            fns = {kern: (lambda x, kern=kern, wd=wd, wt=wt: matmul(x, wd, wt, kern)) for kern in kernels}
-        if not head:
-            for rows in (1, 8):
-                x = torch.randn(rows, k, device=device).to(dt)
-                total += min(_time(lambda f=f: (f(x), sync()), reps=5) for f in fns.values())
-        if invariant and device.type == "cpu":
-            invariant = any(min_invariant_rows(f, k, dt, device) > 0 for f in fns.values())
-    return {"ms": round(total * args.n_layers * 1e3, 3), "invariant": invariant}
+            native_product = ops is not None and dt == torch.bfloat16
+            if native_product:
+                fns = {"native": lambda x, wt=wt: ops.bf16_mm(x, wt, head)}
+            else:
+                kernels = KERNELS if dt == torch.float32 else ("xw", "linear")
+                fns = {kern: (lambda x, kern=kern, wd=wd, wt=wt: matmul(x, wd, wt, kern)) for kern in kernels}
+        x = torch.randn(rows, k, device=device).to(dt)
+        ms = min(_time(lambda f=f: (f(x), sync()), reps=3) for f in fns.values()) * 1e3
+        total += ms if head else ms * args.n_layers
+        if probe and inv and not native_product:
+            inv = any(min_invariant_rows(f, k, dt, device) > 0 for f in fns.values())
+    return {"ms": round(total, 3), "invariant": inv}

@@ -146,16 +146,17 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 def resolve_precision(precision: str, candidates: list[str], args: LlamaArgs, device: torch.device,
-                      invariant: bool = False) -> tuple[str, dict]:
-    """`auto` -> the candidate whose layer matrices measure fastest here (a plain step plus an 8-row
-    tree); with `invariant` (a speculative or batched run) only among the precisions whose products
+                      invariant: bool = False, step_rows: int = 1, native: bool = True) -> tuple[str, dict]:
+    """`auto` -> the candidate whose products measure fastest here for a step of `step_rows` rows
+    (the run's batch size times its tree's rows: bfloat16 can win a large batch where q4 wins one
+    row); with `invariant` (a speculative or batched run) only among the precisions whose products
     all have a batch-invariant path on this machine, and float32 (lossless in practice). Returns the
     choice and what each candidate measured (empty when the precision was given)."""
     check_precision(precision)
     if precision != "auto":
         return precision, {}
     from components.model.kernels import precision_costs
-    costs = precision_costs(args, candidates, device, cache_dir())
+    costs = precision_costs(args, candidates, device, cache_dir(), max(1, int(step_rows)), native)
     usable = {c: v for c, v in costs.items() if not invariant or c == "float32" or v["invariant"]} or costs
     return min(usable, key=lambda c: usable[c]["ms"]), costs
 
@@ -243,14 +244,14 @@ def _gguf_tokenizer_dir(path: Path) -> Path:
     return cdir
 
 
-def _from_gguf(path: Path, precision: str, device: torch.device, invariant: bool) -> tuple[Transformer, object, dict]:
+def _from_gguf(path: Path, precision: str, device: torch.device, **auto) -> tuple[Transformer, object, dict]:
     from components.model import gguf
     f = gguf.GGUFFile(path)
     args = f.args()
     from components.model.linear import quantize_q4
     layers = [f.matrices(args, i) for i in range(args.n_layers)]
     four_bit = all(t.kind in ("Q4_0", "Q4_1") for parts in layers for ps in parts.values() for t, _ in ps)
-    precision, costs = resolve_precision(precision, ["float32", "bfloat16"] + ["q4"] * four_bit, args, device, invariant)
+    precision, costs = resolve_precision(precision, ["float32", "bfloat16"] + ["q4"] * four_bit, args, device, **auto)
     weights = {"tok_embeddings.weight": f.vector("token_embd.weight"), "norm.weight": f.vector("output_norm.weight")}
     weights["lm_head"] = (weights["tok_embeddings.weight"] if args.tie_embeddings else f.vector("output.weight")).t()
     q4: Q4 = {}
@@ -277,7 +278,7 @@ def _from_gguf(path: Path, precision: str, device: torch.device, invariant: bool
     return model, _load_tokenizer(_gguf_tokenizer_dir(path), None), costs
 
 
-def _from_hf_folder(path: Path, precision: str, device: torch.device, invariant: bool) -> tuple[Transformer, object, dict]:
+def _from_hf_folder(path: Path, precision: str, device: torch.device, **auto) -> tuple[Transformer, object, dict]:
     from transformers import AutoConfig
     files = sorted(path.glob("*.safetensors"))
     if not (path / "config.json").is_file() or not files:
@@ -286,16 +287,17 @@ def _from_hf_folder(path: Path, precision: str, device: torch.device, invariant:
     sd: dict[str, torch.Tensor] = {}
     for f in files:
         sd.update({k: v.float() for k, v in load_file(f).items()})
-    precision, costs = resolve_precision(precision, ["float32", "bfloat16"], args, device, invariant)
+    precision, costs = resolve_precision(precision, ["float32", "bfloat16"], args, device, **auto)
     return build(args, convert_hf_state_dict(sd, args), precision, device), _load_tokenizer(path, None), costs
 
 
 def from_pretrained(path: str | None = None, dtype: str = "auto", max_seq_len: int | None = None,
                     name: str = "smollm2_135m", device: str = "cpu", invariant: bool = False,
-                    native: bool = True) -> Backbone:
+                    native: bool = True, step_rows: int = 1) -> Backbone:
     """path: a .gguf file, a Hugging Face folder, or None for the default SmolLM2-135M-Instruct GGUF.
     dtype: the precision (auto | float32 | bfloat16 | q4). invariant: the run speculates or batches,
-    so `auto` skips precisions with no batch-invariant path here (pipeline.build passes it).
+    so `auto` skips precisions with no batch-invariant path here; step_rows: the rows of its steps
+    (batch size x tree rows), which `auto` weighs (pipeline.build passes both).
     native: bfloat16 and q4 steps through the fused C++ kernels where built (components/model/native.py)."""
     precision = check_precision(dtype)
     dev = resolve_device(device)
@@ -303,9 +305,9 @@ def from_pretrained(path: str | None = None, dtype: str = "auto", max_seq_len: i
     if not p.exists():
         raise UserError(f"model path {p} does not exist: pass model.path=<HF folder or .gguf file>")
     if p.suffix == ".gguf":
-        model, tok, costs = _from_gguf(p, precision, dev, invariant)
+        model, tok, costs = _from_gguf(p, precision, dev, invariant=invariant, step_rows=step_rows, native=native)
     else:
-        model, tok, costs = _from_hf_folder(p, precision, dev, invariant)
+        model, tok, costs = _from_hf_folder(p, precision, dev, invariant=invariant, step_rows=step_rows, native=native)
     if max_seq_len:
         model.args.max_seq_len = max_seq_len
     model.use_native(native)
@@ -315,7 +317,7 @@ def from_pretrained(path: str | None = None, dtype: str = "auto", max_seq_len: i
 def tiny(dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2, hidden_dim: int = 128,
          max_seq_len: int = 2048, seed: int = 0, dtype: str = "float32", qkv_bias: bool = False,
          tie_embeddings: bool = True, rope_theta: float = 10000.0, name: str = "tiny", device: str = "cpu",
-         invariant: bool = False, native: bool = True) -> Backbone:
+         invariant: bool = False, native: bool = True, step_rows: int = 1) -> Backbone:
     """A small random-weight Llama that shares the default model's tokenizer (so prompts, chat
     templates and streaming behave as with the real one). `precision=auto` is float32 here: its
     matrices are too small for any other to pay."""
