@@ -329,3 +329,17 @@ def test_static_tree_from_shape():
 def test_static_tree_from_shape_invalid(width, depth):
     with pytest.raises(ValueError, match=r"tree\.(width|depth)"):
         StaticTree.from_shape(width, depth)
+
+
+def test_tree_costs_are_measured_at_the_runs_batch_size(tiny_backbone):
+    """nodes=auto sizes trees on the cost of a step of batch_size trees: the proposers get the run's
+    batch size from the config, and a batched step with drafts costs at least the batched plain one."""
+    from components.proposer.policy import step_costs
+    from conftest import compose_config
+    for preset in ("tree_eagle", "tree_medusa"):
+        assert compose_config([f"decode={preset}", "batch_size=4"]).proposer.batch_size == 4
+    assert compose_config(["decode=tree_eagle"]).proposer.batch_size == 1
+    order = [(0,) * k for k in range(1, 5)]
+    costs = step_costs(tiny_backbone.model, order, 0.5, prefix=8, repeats=1, batch=3)
+    assert sorted(costs) == [0, 1, 2, 3, 4] and all(v > 0 for v in costs.values())
+    assert costs[4] >= 1.5  # three sequences' proposals (0.5 ms each) are charged to a drafting step

@@ -63,8 +63,10 @@ class EagleProposer(Proposer):
     sampled = False
 
     def __init__(self, backbone, checkpoint: str | None = None, width: int = 6, depth: int = 5,
-                 max_nodes: int = 24, p_min: float = 0.0, nodes: str | None = None, min_gain: float = 1.0):
-        for name, v in (("width", width), ("depth", depth), ("max_nodes", max_nodes)):
+                 max_nodes: int = 24, p_min: float = 0.0, nodes: str | None = None, min_gain: float = 1.0,
+                 batch_size: int = 1):
+        """batch_size: the run's (its steps have batch_size trees: nodes=auto weighs drafts at that size)."""
+        for name, v in (("width", width), ("depth", depth), ("max_nodes", max_nodes), ("batch_size", batch_size)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise UserError(f"proposer.{name} (tree.{name}) must be a positive int, got {v}")
         if not isinstance(min_gain, (int, float)) or isinstance(min_gain, bool) or min_gain < 1:
@@ -90,7 +92,7 @@ class EagleProposer(Proposer):
         self.kv = ContiguousKV(None, 256, 1, a.n_kv_heads, a.head_dim, torch.float32, device=backbone.model.device)
         self.seqs: dict[int, _Seq] = {}
         self.policy = None
-        self.backbone, self.auto, self.min_gain = backbone, nodes == "auto", float(min_gain)
+        self.backbone, self.auto, self.min_gain, self.batch_size = backbone, nodes == "auto", float(min_gain), batch_size
         self.costs: dict[int, float] | None = None  # ms of a verification step by drafts (nodes=auto)
         self.draft_ms: list[float] = []  # the last draft forwards' wall times (nodes=auto)
         self.sized = {"steps": 0, "drafts": 0, "plain": 0}
@@ -104,7 +106,7 @@ class EagleProposer(Proposer):
                 "draft_storage": self.draft.storage, "draft_context": "prompt" if self.context else "answer"}
         if self.auto:
             steps = max(1, self.sized["steps"])
-            spec.update(nodes="auto", min_gain=self.min_gain, step_ms_by_drafts=self.costs,
+            spec.update(nodes="auto", min_gain=self.min_gain, step_ms_by_drafts=self.costs, sized_for_batch=self.batch_size,
                         mean_drafts=self.sized["drafts"] / steps, plain_step_share=self.sized["plain"] / steps)
         return spec
 
@@ -117,7 +119,7 @@ class EagleProposer(Proposer):
         """nodes=auto: this machine's cost of a verification step with n drafts (a chain: the cost is
         the rows'), measured once per machine, precision and max_nodes, then cached."""
         chain = [(0,) * k for k in range(1, self.max_nodes + 1)]
-        self.costs = measured_costs(self.backbone, chain, 0.0, f"eagle-chain{self.max_nodes}")
+        self.costs = measured_costs(self.backbone, chain, 0.0, f"eagle-chain{self.max_nodes}", self.batch_size)
 
     # --- sequences -------------------------------------------------------------------------------
     def start(self, seq: int, prompt_ids: list[int]) -> None:

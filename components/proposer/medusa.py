@@ -22,7 +22,8 @@ def shipped_checkpoint(backbone_name: str) -> Path:
 class MedusaProposer(Proposer):
     def __init__(self, backbone, checkpoint: str | None = None, choices=None, tree_file: str | None = "auto",
                  width: int = 2, depth: int = 3, max_nodes: int = 16, dynamic: bool = False,
-                 nodes: int | str | None = "auto", p_min: float | None = None, min_gain: float = 1.05):
+                 nodes: int | str | None = "auto", p_min: float | None = None, min_gain: float = 1.05,
+                 batch_size: int = 1):
         """checkpoint: heads.safetensors (null = the one shipped for this backbone). The tree is
         `choices` when given, else `tree_file` ("auto" = the tree.json written beside the checkpoint
         by `python -m pipeline.tree_search`, when present), else a full width x depth tree pruned to
@@ -35,7 +36,11 @@ class MedusaProposer(Proposer):
         None = the file's own choice; min_gain: the predicted speedup a tree must reach under "auto".
         p_min: per step, drafts whose cumulative draft probability
         (the product of the heads' probabilities along the path) is below it are dropped; None = the
-        tree file's `p_min` (a tree installed from a search carries its own), else 0."""
+        tree file's `p_min` (a tree installed from a search carries its own), else 0. batch_size: the
+        run's, at which nodes="auto" weighs the drafts' rows."""
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise UserError(f"proposer.batch_size must be a positive int, got {batch_size!r}")
+        self.batch_size = batch_size
         if p_min is not None and (not isinstance(p_min, (int, float)) or isinstance(p_min, bool) or not 0 <= p_min < 1):
             raise UserError(f"proposer.p_min must be a probability in [0, 1), got {p_min}")
         if not (nodes in (None, "auto") or (isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 0)):
@@ -96,7 +101,7 @@ class MedusaProposer(Proposer):
             full.fill(0, ids[0].cpu())
         proposal_ms = (time.perf_counter() - t0) / 10 * 1e3
         digest = hashlib.sha1(tree_file.read_bytes()).hexdigest()[:12]
-        self.policy = size_tree(backbone, order, proposal_ms, digest, self.min_gain)
+        self.policy = size_tree(backbone, order, proposal_ms, digest, self.min_gain, self.batch_size)
         return self.policy["choices"]
 
     @property

@@ -28,30 +28,36 @@ SIZES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # drafts per step at whic
 
 @torch.inference_mode()
 def step_costs(model, order: list[tuple[int, ...]], proposal_ms: float, prefix: int = 128,
-               repeats: int = 5) -> dict[int, float]:
-    """ms of a whole verification step with the first n paths of `order`, for n in SIZES (capped)."""
+               repeats: int = 5, batch: int = 1) -> dict[int, float]:
+    """ms of a whole verification step with the first n paths of `order`, for n in SIZES (capped),
+    for `batch` sequences drafting together (the run's batch size: its steps have batch x (n + 1)
+    rows, so the rows a draft adds cost what they cost at that size)."""
     from components.kv.contiguous import ContiguousKV
     a = model.args
     kv = ContiguousKV(None, prefix + len(order) + 8, a.n_layers, a.n_kv_heads, a.head_dim, model.attn_dtype,
                       device=model.device)
-    seq = kv.create()
     g = torch.Generator().manual_seed(0)
-    model.step(StepBatch.build([seq], [torch.randint(0, a.vocab_size, (prefix,), generator=g)], [None], [None], [0],
-                               model.attn_dtype), kv)
-    kv.commit(seq)
+    seqs = [kv.create() for _ in range(batch)]
+    for seq in seqs:
+        model.step(StepBatch.build([seq], [torch.randint(0, a.vocab_size, (prefix,), generator=g)], [None], [None], [0],
+                                   model.attn_dtype), kv)
+        kv.commit(seq)
     out = {}
     for n in sorted({min(s, len(order)) for s in SIZES}):
-        tokens = torch.randint(0, a.vocab_size, (n + 1,), generator=g)
+        tokens = [torch.randint(0, a.vocab_size, (n + 1,), generator=g) for _ in seqs]
         depth, mask = StaticTree.from_choices(order[:n]).structure if n else (None, None)
         times = []
         for _ in range(repeats + 1):
             t = time.perf_counter()
-            h = model.step(StepBatch.build([seq], [tokens], [depth], [mask], [kv.used(seq)], model.attn_dtype), kv)
+            h = model.step(StepBatch.build(seqs, tokens, [depth] * batch, [mask] * batch, [kv.used(s) for s in seqs],
+                                           model.attn_dtype), kv)
             model.logits(h).argmax(-1).tolist()
-            kv.discard(seq)
+            for seq in seqs:
+                kv.discard(seq)
             times.append((time.perf_counter() - t) * 1e3)
-        out[n] = sorted(times[1:])[len(times[1:]) // 2] + (proposal_ms if n else 0.0)
-    kv.free(seq)
+        out[n] = sorted(times[1:])[len(times[1:]) // 2] + (batch * proposal_ms if n else 0.0)
+    for seq in seqs:
+        kv.free(seq)
     return out
 
 
@@ -94,22 +100,25 @@ def best_prefix(probs: list[float], costs: dict[int, float], min_gain: float = 1
     return best
 
 
-def measured_costs(backbone, order: list[tuple[int, ...]], proposal_ms: float, cache_key: str) -> dict[int, float]:
-    """`step_costs`, measured once per machine, precision, thread count and `cache_key`, then cached
-    beside the kernel plans."""
+def measured_costs(backbone, order: list[tuple[int, ...]], proposal_ms: float, cache_key: str,
+                   batch: int = 1) -> dict[int, float]:
+    """`step_costs`, measured once per machine, precision, thread count, batch size and `cache_key`,
+    then cached beside the kernel plans."""
     from components.model.kernels import machine_key
     from components.model.load import cache_dir
-    path = cache_dir() / f"tree-costs-{machine_key(backbone.model)}-{cache_key}.json"
+    native = "native" if backbone.model.native is not None else "torch"
+    path = cache_dir() / f"tree-costs-{machine_key(backbone.model)}-{native}-b{batch}-{cache_key}.json"
     if path.is_file():
         return {int(k): v for k, v in json.loads(path.read_text()).items()}
-    costs = step_costs(backbone.model, order, proposal_ms)
+    costs = step_costs(backbone.model, order, proposal_ms, batch=batch)
     atomic_write(path, json.dumps(costs))
     return costs
 
 
 def size_tree(backbone, order: list[tuple[tuple[int, ...], float]], proposal_ms: float, cache_key: str,
-              min_gain: float = 1.0) -> dict:
-    """`choose` with this machine's step costs (keyed by the machine, the precision and the paths)."""
-    costs = measured_costs(backbone, [p for p, _ in order], proposal_ms, cache_key)
+              min_gain: float = 1.0, batch: int = 1) -> dict:
+    """`choose` with this machine's step costs for `batch` sequences drafting together (keyed by the
+    machine, the precision, the batch size and the paths)."""
+    costs = measured_costs(backbone, [p for p, _ in order], proposal_ms, cache_key, batch)
     return {**choose(order, costs, min_gain), "step_ms_by_drafts": costs, "precision": backbone.model.precision,
-            "min_gain": min_gain}
+            "min_gain": min_gain, "batch_size": batch}
