@@ -188,11 +188,31 @@ std::vector<torch::Tensor> pre_attention(torch::Tensor x, torch::Tensor norm_w, 
           qkv.narrow(1, (nh + nkv) * hs, nkv * hs).view({R, nkv, hs})};
 }
 
+// exp(x) for x <= 0 in plain float arithmetic that vectorizes (Cephes' expf: x = n ln2 + r, a
+// degree-5 polynomial for e^r, 2^n put into the exponent bits): within 2 ulp of expf, and the same
+// bits wherever it runs, as a loop over a row's scores or one value at a time.
+inline float exp_neg(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float t = x * 1.44269504088896341f;
+  const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest, |t| < 2^22
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
 template <typename KT>
 void attend_row(const float* q, const KT* K, const KT* V, int64_t ks, int64_t vs, const float* bias,
                 const int64_t* idx, int64_t n, int64_t hs, float scale, float* scores, float* out) {
   // scores over the compacted slots, each dot product in LANES partial sums over the head dim
-  float mx = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) {
     const KT* k = K + idx[j] * ks;
     float acc[LANES] = {0};
@@ -202,15 +222,13 @@ void attend_row(const float* q, const KT* K, const KT* V, int64_t ks, int64_t vs
     for (int l = 0; d < hs; ++d, ++l) acc[l] += q[d] * f32(k[d]);
     for (int w2 = LANES / 2; w2 > 0; w2 /= 2)
       for (int l = 0; l < w2; ++l) acc[l] += acc[l + w2];
-    float sc = acc[0] * scale + (bias ? bias[idx[j]] : 0.0f);
-    scores[j] = sc;
-    mx = sc > mx ? sc : mx;
+    scores[j] = acc[0] * scale + (bias ? bias[idx[j]] : 0.0f);
   }
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) mx = scores[j] > mx ? scores[j] : mx;
+  for (int64_t j = 0; j < n; ++j) scores[j] = exp_neg(scores[j] - mx);
   float sum = 0.0f;
-  for (int64_t j = 0; j < n; ++j) {
-    scores[j] = std::exp(scores[j] - mx);
-    sum += scores[j];
-  }
+  for (int64_t j = 0; j < n; ++j) sum += scores[j];
   for (int64_t d = 0; d < hs; ++d) out[d] = 0.0f;
   for (int64_t j = 0; j < n; ++j) {
     const KT* v = V + idx[j] * vs;
@@ -240,25 +258,28 @@ torch::Tensor attention_impl(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   const KT* vp = v.data_ptr<KT>();
   auto* op = out.data_ptr<at::BFloat16>();
   const auto qs = q.strides(), kst = k.strides(), vst = v.strides();
-  at::parallel_for(0, B * T, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, B * T * nh, 1, [&](int64_t lo, int64_t hi) {  // one (row, head) an item
     std::vector<int64_t> idx(S);
     std::vector<float> scores(S), qf(hs), of(hs);
-    for (int64_t bt = lo; bt < hi; ++bt) {
-      const int64_t b = bt / T, t = bt % T;
+    int64_t compacted = -1;  // the (b, t) whose allowed slots idx holds
+    int64_t n = 0;
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t bt = item / nh, h = item % nh, b = bt / T, t = bt % T;
       const float* brow = bp ? bp + (b * T + t) * S : nullptr;
-      int64_t n = 0;
-      const int64_t last = causal ? S - T + t : S - 1;  // causal: a prompt block after S - T cached slots
-      for (int64_t s = 0; s <= last; ++s)
-        if (!brow || brow[s] != -std::numeric_limits<float>::infinity()) idx[n++] = s;
-      for (int64_t h = 0; h < nh; ++h) {
-        const at::BFloat16* qr = qp + b * qs[0] + t * qs[1] + h * qs[2];
-        for (int64_t d = 0; d < hs; ++d) qf[d] = f32(qr[d]);
-        const int64_t kh = h / g;
-        attend_row<KT>(qf.data(), kp + b * kst[0] + kh * kst[1], vp + b * vst[0] + kh * vst[1], kst[2], vst[2],
-                       brow, idx.data(), n, hs, static_cast<float>(scale), scores.data(), of.data());
-        at::BFloat16* o = op + ((b * T + t) * nh + h) * hs;
-        for (int64_t d = 0; d < hs; ++d) o[d] = at::BFloat16(of[d]);
+      if (bt != compacted) {
+        n = 0;
+        const int64_t last = causal ? S - T + t : S - 1;  // causal: a prompt block after S - T cached slots
+        for (int64_t s = 0; s <= last; ++s)
+          if (!brow || brow[s] != -std::numeric_limits<float>::infinity()) idx[n++] = s;
+        compacted = bt;
       }
+      const at::BFloat16* qr = qp + b * qs[0] + t * qs[1] + h * qs[2];
+      for (int64_t d = 0; d < hs; ++d) qf[d] = f32(qr[d]);
+      const int64_t kh = h / g;
+      attend_row<KT>(qf.data(), kp + b * kst[0] + kh * kst[1], vp + b * vst[0] + kh * vst[1], kst[2], vst[2],
+                     brow, idx.data(), n, hs, static_cast<float>(scale), scores.data(), of.data());
+      at::BFloat16* o = op + ((b * T + t) * nh + h) * hs;
+      for (int64_t d = 0; d < hs; ++d) o[d] = at::BFloat16(of[d]);
     }
   });
   return out;
