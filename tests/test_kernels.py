@@ -160,3 +160,12 @@ def test_precision_probe_on_model_shapes(dtype, native):
     many = kernels.precision_costs(args, [dtype], torch.device("cpu"), None, rows=256, native=native)[dtype]
     assert one["invariant"] is True and many["invariant"] is True
     assert 0 < one["ms"] < many["ms"] and one["rows"] == 1 and many["rows"] == 256
+
+
+def test_forced_kernels_are_not_vouched_for(monkeypatch):
+    """LLM_DECODE_KERNELS (and GPUs) give a plan nothing probed: a speculative run is told."""
+    monkeypatch.setenv("LLM_DECODE_KERNELS", "xw")
+    bb = optimized_tiny("q4")
+    assert not bb.model.layers[0].plan.probed and not bb.batch_invariant
+    assert bb.describe()["not_invariant"] == list(kernels.PRODUCTS)
+    assert "no batch-invariant kernel" in bb.lossless_notice(True, False)

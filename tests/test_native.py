@@ -190,3 +190,27 @@ def test_real_model_native_step_agrees_with_the_pure_torch_path(dtype):
     top2 = out[False].topk(2, dim=-1).values
     differ = out[True].argmax(-1) != out[False].argmax(-1)
     assert differ.sum() <= 2 and bool(((top2[:, 0] - top2[:, 1])[differ] <= dev).all())  # only near-ties flip
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "q4"])
+def test_tiny_native_model_batches_and_trees_equal_batch_one(dtype):
+    """The native step end to end on a tiny model optimized for decoding (so its bfloat16 products
+    and head are native): ragged batches (padded rows, row_index scatter) and trees give the tokens
+    of greedy at batch 1, and the model says it is batch-invariant."""
+    from components.model.load import tiny
+    from pipeline.build import build_engine
+    from conftest import compose_config
+    bb = tiny(dtype=dtype)
+    bb.model.optimize_for_decoding(cache=None)
+    assert bb.model.native is not None and bb.batch_invariant
+    texts = ["Once upon a time, in a land far away,", "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3", "Hi"]
+    prompts = [bb.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+    def run(preset, batch, *extra):
+        cfg = compose_config(["model=tiny", f"model.dtype={dtype}", f"decode={preset}", "max_new_tokens=24",
+                              f"batch_size={batch}", *extra])
+        return [g.token_ids for g in build_engine(cfg, bb)[0].run(prompts)]
+    ref = run("greedy", 1)
+    assert run("greedy", 3) == ref
+    assert run("tree_ngram", 3, "proposer.min_ngram=1") == ref
+    assert run("self_spec", 2) == ref

@@ -342,4 +342,4 @@ def test_tree_costs_are_measured_at_the_runs_batch_size(tiny_backbone):
     order = [(0,) * k for k in range(1, 5)]
     costs = step_costs(tiny_backbone.model, order, 0.5, prefix=8, repeats=1, batch=3)
     assert sorted(costs) == [0, 1, 2, 3, 4] and all(v > 0 for v in costs.values())
-    assert costs[4] >= 1.5  # three sequences' proposals (0.5 ms each) are charged to a drafting step
+    assert costs[4] - 1.5 >= 0.8 * costs[0]  # 3 x 5 rows cost about what 3 x 1 do, plus 3 proposals of 0.5 ms

@@ -62,10 +62,12 @@ class KernelPlan:
     kernel gives a row the same bits whatever rows come with it; 0 where no invariant path was
     found on this machine). `probed`: invariance was measured here."""
 
-    def __init__(self, kernels: dict[str, dict[int, str]] | None = None, min_rows: dict[str, int] | None = None):
+    def __init__(self, kernels: dict[str, dict[int, str]] | None = None, min_rows: dict[str, int] | None = None,
+                 chosen: bool = False):
         self.kernels = {p: {int(b): k for b, k in v.items()} for p, v in (kernels or {}).items()}
         self.min_rows = {**{p: 1 for p in PRODUCTS}, **(min_rows or {})}
         self.probed = min_rows is not None
+        self.chosen = chosen or self.probed  # set for a decoding model (False: a model never optimized)
 
     @staticmethod
     def bucket(rows: int) -> int:
@@ -80,14 +82,16 @@ class KernelPlan:
         return self.probed and all(self.min_rows[p] > 0 for p in products)
 
     def lossy(self, products=PRODUCTS) -> list[str]:
-        return [p for p in products if self.min_rows[p] <= 0]
+        """The products with no invariant path found (all of them where nothing was probed)."""
+        return [p for p in products if not self.probed or self.min_rows[p] <= 0]
 
     def to_json(self) -> dict:
         return {"kernels": self.kernels, "min_rows": self.min_rows}
 
     @classmethod
     def single(cls, kernel: str) -> "KernelPlan":
-        return cls({p: {b: kernel for b in (*BUCKETS, 0)} for p in PRODUCTS})
+        """One kernel everywhere, unprobed (GPUs, LLM_DECODE_KERNELS)."""
+        return cls({p: {b: kernel for b in (*BUCKETS, 0)} for p in PRODUCTS}, chosen=True)
 
 
 def _time(fn, reps: int = 2) -> float:
@@ -169,7 +173,7 @@ def measure(model) -> KernelPlan:
             best = min(options, key=lambda n: sum(_time(lambda: [f(xs[b]) for f in options[n]]) for b in DECODE_BUCKETS))
         kernels[product] = {b: best for b in (*BUCKETS, 0)}
         min_rows[product] = best_rows
-    return KernelPlan(kernels, min_rows if dt != torch.float32 else None)
+    return KernelPlan(kernels, min_rows if dt != torch.float32 else None, chosen=True)
 
 
 PROBE_ROWS = 128  # a prefill of a few prompts, or a batch of trees, together
@@ -279,7 +283,7 @@ def _precision_cost(mode: str, args, shapes, device, sync, rows: int, ops, invar
     has an invariant kernel (float32: never probed, see `measure`; `invariant`: already known)."""
     from components.model.linear import Int4, quantize_q4
     total, probe = 0.0, invariant is None and mode != "float32" and device.type == "cpu"
-    inv = mode != "float32" if invariant is None else invariant
+    inv = (mode != "float32" and device.type == "cpu") if invariant is None else invariant  # unprobed: not vouched for
     for k, n in [*shapes, (args.dim, args.vocab_size)]:
         w = torch.randn(k, n, device=device) * 0.02
         head = n == args.vocab_size
@@ -290,9 +294,9 @@ def _precision_cost(mode: str, args, shapes, device, sync, rows: int, ops, invar
         else:
             dt = torch.bfloat16 if mode == "q4" else getattr(torch, mode)
             wd, wt = w.to(dt), w.t().contiguous().to(dt)
-            native_product = ops is not None and dt == torch.bfloat16
-            if native_product:
-                fns = {"native": lambda x, wt=wt: ops.bf16_mm(x, wt, head)}
+            native_product = ops is not None and dt == torch.bfloat16 and n % 4 == 0  # as Dense.native_ok
+            if native_product:  # the head's logits stay float32, a layer's outputs are rounded to bfloat16
+                fns = {"native": lambda x, wt=wt, head=head: ops.bf16_mm(x, wt, not head)}
             else:
                 kernels = KERNELS if dt == torch.float32 else ("xw", "linear")
                 fns = {kern: (lambda x, kern=kern, wd=wd, wt=wt: matmul(x, wd, wt, kern)) for kern in kernels}

@@ -69,8 +69,8 @@ class Backbone:
         plan = self.model.layers[0].plan if self.model.layers else None
         if not (speculative or batched) or self.precision == "float32" or plan is None or self.batch_invariant:
             return None
-        if not plan.probed:
-            return None  # an unprobed plan: a model not optimized for decoding (tiny test models)
+        if not plan.chosen:
+            return None  # a model never optimized for decoding (tiny test models): nothing was chosen or probed
         what = "speculative" if speculative else "batched"
         lossy = ", ".join(plan.lossy(self.model.torch_products()))
         return (f"{self.precision} has no batch-invariant kernel on this machine ({lossy}): this {what} run may give "

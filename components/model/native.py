@@ -40,8 +40,20 @@ def _cpu() -> str:
     return "|".join(line for line in first.splitlines() if line.startswith(("model name", "flags")))
 
 
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        return ""
+    r = subprocess.run([cxx, "--version"], capture_output=True, text=True)
+    return r.stdout.splitlines()[0] if r.stdout else cxx
+
+
 def key() -> str:
-    parts = [SOURCE.read_text(), torch.__version__, _cpu(), " ".join(FLAGS), sys.version]
+    """Digest of what the library depends on: the source, torch, the CPU (its model and flags; where
+    /proc/cpuinfo is hidden, what platform and torch report) and the compiler."""
+    import platform
+    cpu = _cpu() or f"{platform.processor()}|{platform.machine()}|{torch.backends.cpu.get_cpu_capability()}"
+    parts = [SOURCE.read_text(), torch.__version__, cpu, " ".join(FLAGS), sys.version, _compiler()]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 

@@ -157,6 +157,9 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {  // x: (R
 // convention: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), cos / sin: (R, hs / 2) float32.
 void rope_rows(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t hs) {
   const int64_t R = qkv.size(0), stride = qkv.size(1), half = hs / 2;
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.size(0) == R && cos.size(1) == half && sin.sizes() == cos.sizes(),
+              "rope: cos and sin must be contiguous float32 (R, hs / 2)");
   auto* q = qkv.data_ptr<at::BFloat16>();
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
@@ -241,7 +244,8 @@ void attend_row(const float* q, const KT* K, const KT* V, int64_t ks, int64_t vs
 
 // q: (B, T, nh, hs) bfloat16 (any strides, last dim contiguous); k, v: (B, nkv, S, hs) (bfloat16,
 // float32 or float64; any strides, last dim contiguous); bias: (B, 1, T, S) float additive (0 / -inf)
-// or None (every slot, or with `causal` the slots up to the row's own). Returns (B, T, nh, hs)
+// or None (every slot, or with `causal` the slots up to the row's own); a masked slot must be
+// exactly -inf (it is left out of the row's sums, not weighted). Returns (B, T, nh, hs)
 // bfloat16. Each (b, t, head) row attends to its allowed slots.
 template <typename KT>
 torch::Tensor attention_impl(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> bias,
@@ -249,6 +253,10 @@ torch::Tensor attention_impl(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   const int64_t B = q.size(0), T = q.size(1), nh = q.size(2), hs = q.size(3);
   const int64_t nkv = k.size(1), S = k.size(2), g = nh / nkv;
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "attention: the head dim must be contiguous");
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && k.size(3) == hs && v.sizes() == k.sizes() && nh % nkv == 0,
+              "attention: q (B, T, nh, hs) and k, v (B, nkv, S, hs) do not fit");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 4 && bias->size(0) == B && bias->size(2) == T && bias->size(3) == S),
+              "attention: bias must be (B, 1, T, S) (0 or -inf)");
   auto out = torch::empty({B, T, nh, hs}, q.options());
   torch::Tensor bf;
   if (bias.has_value()) bf = bias->to(torch::kFloat).contiguous();
