@@ -107,6 +107,12 @@ def _time(fn, reps: int = 2) -> float:
 DECODE_BUCKETS = (1, 2, 4, 8, 16)  # the row counts of decode steps and trees that a kernel choice weighs
 
 
+def dense_kernels(dtype: torch.dtype) -> tuple[str, ...]:
+    """The kernels a Dense product may take: all in float32; in bfloat16 not padded_t, which changes
+    the product's shape with the row count (never invariant)."""
+    return KERNELS if dtype == torch.float32 else ("xw", "linear")
+
+
 def padded(fn, rows: int):
     """`fn` with its input padded by zero rows to at least `rows` (and the extra rows dropped)."""
     if rows <= 1:
@@ -123,13 +129,12 @@ def candidates(model) -> dict[str, dict[str, list]]:
     for name in PRODUCTS[:-1]:
         mats = [getattr(b, name) for b in model.layers]
         if all(isinstance(m, Dense) for m in mats):
-            kernels = KERNELS if model.dtype == torch.float32 else ("xw", "linear")  # padded_t changes shape with rows
-            out[name] = {k: [lambda x, m=m, k=k: matmul(x, m.weight, m.weight_t, k) for m in mats] for k in kernels}
+            out[name] = {k: [lambda x, m=m, k=k: matmul(x, m.weight, m.weight_t, k) for m in mats]
+                         for k in dense_kernels(model.dtype)}
         else:
             out[name] = {"int4": [lambda x, m=m: m.product(x) for m in mats]}
     w, wt = model.lm_head, (model.tok_embeddings.weight if model.args.tie_embeddings else model.lm_head_t)
-    kernels = KERNELS if model.dtype == torch.float32 else ("xw", "linear")
-    out["head"] = {k: [lambda x, k=k: matmul(x, w, wt, k)] for k in kernels}
+    out["head"] = {k: [lambda x, k=k: matmul(x, w, wt, k)] for k in dense_kernels(model.dtype)}
     if getattr(model, "head_q8", None) is not None:
         out["head"]["int8"] = [model.head_q8.product]
     return out
@@ -298,8 +303,7 @@ def _precision_cost(mode: str, args, shapes, device, sync, rows: int, ops, invar
             if native_product:  # the head's logits stay float32, a layer's outputs are rounded to bfloat16
                 fns = {"native": lambda x, wt=wt, head=head: ops.bf16_mm(x, wt, not head)}
             else:
-                kernels = KERNELS if dt == torch.float32 else ("xw", "linear")
-                fns = {kern: (lambda x, kern=kern, wd=wd, wt=wt: matmul(x, wd, wt, kern)) for kern in kernels}
+                fns = {kern: (lambda x, kern=kern, wd=wd, wt=wt: matmul(x, wd, wt, kern)) for kern in dense_kernels(dt)}
         x = torch.randn(rows, k, device=device).to(dt)
         ms = min(_time(lambda f=f: (f(x), sync()), reps=3) for f in fns.values()) * 1e3
         total += ms if head else ms * args.n_layers

@@ -314,18 +314,30 @@ class Transformer(nn.Module):
         kv.end_step(batch)
         return self.norm(x)
 
+    @property
+    def plan(self) -> KernelPlan:
+        """The kernel plan every layer shares (x @ W everywhere until optimized for decoding)."""
+        return self.layers[0].plan if self.layers else KernelPlan()
+
+    @property
+    def head_t(self) -> torch.Tensor | None:
+        """The LM head as [vocab, dim] (tied models: the embedding), None before optimization."""
+        return self.tok_embeddings.weight if self.args.tie_embeddings else getattr(self, "lm_head_t", None)
+
+    def native_head(self, rows: int) -> bool:
+        """Whether `logits` takes the native bfloat16 product for this many rows."""
+        wt = self.head_t
+        int8 = self.plan.kernel("head", rows) == "int8" and self.head_q8 is not None
+        return self.native is not None and not int8 and wt is not None and wt.shape[0] % 4 == 0
+
     def torch_products(self) -> list[str]:
         """The products (kernels.PRODUCTS) computed by torch's kernels, whose batch invariance the
         plan's probe vouches for; the native path computes the others with its own kernels,
         invariant by construction (tests/test_native.py)."""
         if self.native is None:
             return list(PRODUCTS)
-        plan = self.layers[0].plan if self.layers else KernelPlan()
         out = [n for n in Block.MATRICES if self.layers and not (isinstance(m := getattr(self.layers[0], n), Dense) and m.native_ok)]
-        wt = self.tok_embeddings.weight if self.args.tie_embeddings else getattr(self, "lm_head_t", None)
-        if (plan.kernel("head", 1) == "int8" and self.head_q8 is not None) or wt is None or wt.shape[0] % 4:
-            out.append("head")
-        return out
+        return out if self.native_head(1) else [*out, "head"]
 
     def use_native(self, enable: bool = True) -> bool:
         """Run cached steps through the fused kernels where they are built (bfloat16 and q4 on CPU;
@@ -340,12 +352,11 @@ class Transformer(nn.Module):
         """hidden: (..., dim) -> fp32 logits (..., vocab), with the measured kernel for this many rows
         (tied models also hold the head as [vocab, dim]: the embedding)."""
         rows = hidden.numel() // hidden.shape[-1]
-        wt = self.tok_embeddings.weight if self.args.tie_embeddings else getattr(self, "lm_head_t", None)
-        plan = self.layers[0].plan if self.layers else KernelPlan()
+        wt, plan = self.head_t, self.plan
         kernel = plan.kernel("head", rows)
         if kernel == "int8" and self.head_q8 is not None:
             return self.head_q8(hidden).float()
-        if self.native is not None and wt is not None and wt.shape[0] % 4 == 0:  # float32 logits, never rounded
+        if self.native_head(rows):  # float32 logits, never rounded
             h = hidden.reshape(-1, hidden.shape[-1])
             return self.native.bf16_mm(h if h.dtype == torch.bfloat16 else h.bfloat16(), wt, False).view(
                 *hidden.shape[:-1], wt.shape[0])

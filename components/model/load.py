@@ -51,14 +51,14 @@ class Backbone:
         if m.precision == "float32" or not m.layers:
             return False
         torch_products = m.torch_products()
-        return not torch_products or m.layers[0].plan.invariant(torch_products)
+        return not torch_products or m.plan.invariant(torch_products)
 
     def describe(self) -> dict:
         """What results.json / bench.json record of the backbone."""
         out = {"model": self.name, "precision": self.precision, "device": str(self.model.device),
                "batch_invariant": self.batch_invariant, "native_kernels": self.model.native is not None}
         if self.precision != "float32" and not self.batch_invariant and self.model.layers:
-            out["not_invariant"] = self.model.layers[0].plan.lossy(self.model.torch_products())
+            out["not_invariant"] = self.model.plan.lossy(self.model.torch_products())
         if self.precision_costs:
             out["precision_auto"] = {"chosen": self.precision, "candidates": self.precision_costs}
         return out
@@ -66,8 +66,8 @@ class Backbone:
     def lossless_notice(self, speculative: bool, batched: bool) -> str | None:
         """The one line a speculative or batched run gets where this precision has no batch-invariant
         path on this machine (its tokens may then differ from plain greedy at batch 1)."""
-        plan = self.model.layers[0].plan if self.model.layers else None
-        if not (speculative or batched) or self.precision == "float32" or plan is None or self.batch_invariant:
+        plan = self.model.plan
+        if not (speculative or batched) or self.precision == "float32" or not self.model.layers or self.batch_invariant:
             return None
         if not plan.chosen:
             return None  # a model never optimized for decoding (tiny test models): nothing was chosen or probed
