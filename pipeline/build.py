@@ -8,10 +8,15 @@ import json
 import sys
 from pathlib import Path
 
+import yaml
+from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.core import BeamSearch, Engine, UserError
+from pipeline.cli import CONF_DIR, compose_config, groups
+
+from pipeline.core import Runner, UserError
+from pipeline.core.guard import SpeculationGuard
 
 
 def component(node: DictConfig | None, backbone=None, **kwargs):
@@ -51,7 +56,6 @@ def constraint_node(cfg: DictConfig, request: dict | None = None) -> DictConfig 
     """The config node of a constraint: the configured one (`constraint=`), or for a request line that
     brings its own (`"json_schema"`, `"regex"`, `"grammar"`) the node of that kind, with the
     configured node's options when it is of the same kind (and its add_to_prompt in any case)."""
-    from pipeline.cli import CONF_DIR
     configured = cfg.get("constraint")
     configured = configured if configured and configured.get("_target_") else None
     if not request:
@@ -82,8 +86,19 @@ def check_constraint(node: DictConfig | None, where: str = "constraint") -> list
         raise UserError(f"{where}: {e}" if where != "constraint" else str(e)) from None
 
 
+def runner_class(cfg: DictConfig) -> type[Runner]:
+    """The class of the run's runner (`runner=engine|beam`): what it is, before anything is built."""
+    return get_class(OmegaConf.select(cfg, "runner._target_", default="pipeline.core.Engine"))
+
+
 def is_speculative(cfg: DictConfig) -> bool:
-    return cfg.get("proposer") is not None and cfg.get("num_beams") is None
+    return cfg.get("proposer") is not None and runner_class(cfg).speculates
+
+
+def is_plain(cfg: DictConfig) -> bool:
+    """The run computes plain decoding (no proposer, a plain runner), whatever its preset is called:
+    what sweeps and benchmarks take as a baseline."""
+    return cfg.get("proposer") is None and runner_class(cfg).plain
 
 
 def needs_invariance(cfg: DictConfig) -> bool:
@@ -100,49 +115,76 @@ def step_rows(cfg: DictConfig) -> int:
     return max(1, int(batch)) * (1 + int(drafts or 0))
 
 
-def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -> tuple[Engine, object]:
-    """Returns (engine, backbone). Pass `backbone` to reuse one already loaded (benchmarks).
-    with_constraint=False leaves the configured constraint out (the caller passes each request's)."""
+def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -> tuple[Runner, object]:
+    """Returns (runner, backbone): the configured runner (`runner=`) with its components. Pass
+    `backbone` to reuse one already loaded (benchmarks). with_constraint=False leaves the configured
+    constraint out (the caller passes each request's)."""
     mnt, batch = positive_int(cfg, "max_new_tokens"), positive_int(cfg, "batch_size")
     check_paths(cfg)
     if with_constraint:
         check_constraint(constraint_node(cfg))
+    cls = runner_class(cfg)
+    if cfg.get("proposer") is not None and not cls.speculates:
+        raise UserError(f"{cls.__name__} does not take a proposer: drop proposer= (or use decode=greedy for speculation)")
     if backbone is None:
         backbone = component(cfg.model, invariant=needs_invariance(cfg), step_rows=step_rows(cfg))
     notice = backbone.lossless_notice(is_speculative(cfg), batch > 1)
     if notice:
         print(notice, file=sys.stderr)
-    if cfg.get("num_beams") is not None:  # decode=beam: beam search on forked sequences
-        if cfg.get("proposer") is not None:
-            raise UserError("beam search does not take a proposer: drop proposer= (or use decode=greedy for speculation)")
-        engine = BeamSearch(
-            model=backbone.model, kv=component(cfg.kv, backbone), sampler=component(cfg.sampler, backbone),
-            eos_ids=backbone.eos_ids, max_new_tokens=mnt, num_beams=cfg.num_beams,
-            length_penalty=cfg.get("length_penalty", 1.0), early_stopping=cfg.get("early_stopping", False),
-            num_return_sequences=cfg.get("num_return_sequences", 1), num_beam_groups=cfg.get("num_beam_groups", 1),
-            diversity_penalty=cfg.get("diversity_penalty", 0.0), seed=int(cfg.seed), batch_size=batch,
-            constraint=component(constraint_node(cfg), backbone) if with_constraint else None)
-        return engine, backbone
-    proposer = component(cfg.get("proposer"), backbone)
-    guard = None
-    if proposer is not None and cfg.get("speculation_guard", True):
-        from pipeline.core.guard import SpeculationGuard
-        try:
-            guard = SpeculationGuard(**dict(cfg.get("guard") or {}))
-        except (TypeError, ValueError) as e:
-            raise UserError(f"bad guard settings ({e}): guard takes warmup, probe, backoff, max_backoff, "
-                            "decay, margin (pipeline/core/guard.py)") from None
-    engine = Engine(
-        model=backbone.model,
-        kv=component(cfg.kv, backbone),
-        sampler=component(cfg.sampler, backbone),
-        eos_ids=backbone.eos_ids,
-        max_new_tokens=mnt,
-        proposer=proposer,
-        verifier=component(cfg.get("verifier"), backbone),
-        seed=int(cfg.seed),
-        batch_size=batch,
-        constraint=component(constraint_node(cfg), backbone) if with_constraint else None,
-        guard=guard,
-    )
-    return engine, backbone
+    parts = dict(model=backbone.model, kv=component(cfg.kv, backbone), sampler=component(cfg.sampler, backbone),
+                 eos_ids=backbone.eos_ids, max_new_tokens=mnt, seed=int(cfg.seed), batch_size=batch,
+                 constraint=component(constraint_node(cfg), backbone) if with_constraint else None)
+    if cls.speculates:
+        proposer = component(cfg.get("proposer"), backbone)
+        parts.update(proposer=proposer, verifier=component(cfg.get("verifier"), backbone),
+                     guard=speculation_guard(cfg) if proposer is not None else None,
+                     record_trees=bool(cfg.get("record_trees", False)))
+    return instantiate(cfg.runner)(**parts), backbone
+
+
+def speculation_guard(cfg: DictConfig) -> SpeculationGuard | None:
+    if not cfg.get("speculation_guard", True):
+        return None
+    try:
+        return SpeculationGuard(**dict(cfg.get("guard") or {}))
+    except (TypeError, ValueError) as e:
+        raise UserError(f"bad guard settings ({e}): guard takes warmup, probe, backoff, max_backoff, "
+                        "decay, margin (pipeline/core/guard.py)") from None
+
+
+def preset_name(cfg: DictConfig) -> str:
+    """The preset's name if the run uses the preset's components, else the preset followed by the
+    components that differ (`greedy proposer=ngram verifier=greedy`): a run whose proposer,
+    verifier or sampler was picked by hand is never reported, or taken by a sweep, as a preset it
+    is not."""
+    name = cfg.get("name") or "custom"
+    if name not in groups()["decode"]:
+        return "custom"
+    ref = compose_config([f"decode={name}"])
+    differ = [f"{g}={component_choice(g, cfg.get(g))}" for g in ("proposer", "verifier", "sampler")
+              if _pick(ref.get(g)) != _pick(cfg.get(g))]
+    return " ".join([name, *differ])
+
+
+def _pick(node):
+    """What makes a component this component: its class (and, for samplers, whether it samples)."""
+    if node is None:
+        return None
+    return OmegaConf.select(node, "_target_"), OmegaConf.select(node, "do_sample")
+
+
+def component_choice(group: str, node) -> str:
+    """The config-group option a component node came from (the running Hydra app's choice, else
+    the conf/<group>/ file with the same class), for naming runs."""
+    if node is None:
+        return "null"
+    try:
+        choice = HydraConfig.get().runtime.choices.get(group)
+        if choice:
+            return str(choice)
+    except ValueError:
+        pass
+    for f in sorted((CONF_DIR / group).glob("*.yaml")):
+        if _pick(OmegaConf.create(yaml.safe_load(f.read_text()) or {})) == _pick(node):
+            return f.stem
+    return str(OmegaConf.select(node, "_target_")).rsplit(".", 1)[-1]

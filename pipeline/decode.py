@@ -7,26 +7,25 @@ directory skips the ids already there. Ctrl-C or SIGTERM stops cleanly: what fin
 """
 from __future__ import annotations
 
-import copy
-import hashlib
-import json
-import signal
 import statistics
 import sys
-import threading
 import time
-from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.build import build_engine, check_constraint, check_paths, constraint_node, positive_int
+from pipeline.build import (build_engine, check_constraint, component, constraint_node, is_plain, preset_name,
+                            runner_class)
 from pipeline.core import Engine, Generation, UserError
+from pipeline.core.runner import check_prompt
 from pipeline.errors import Interrupted
 from pipeline.io import append_jsonl, run_dir, write_json
 from pipeline.requests import encode, load_requests
+from pipeline.resume import Signals, load_items, request_key
 from pipeline.streaming import StreamPrinter
+from pipeline.tracking import log_decode
 
 
 def depth_acceptance(items: list[dict]) -> dict[str, float]:
@@ -101,231 +100,168 @@ def run_requests(engine: Engine, prompts: list[list[int]], seeds: list[int] | No
     return gens, time.perf_counter() - t0
 
 
-def preset_name(cfg: DictConfig) -> str:
-    """The preset's name if the run uses the preset's components, else the preset followed by the
-    components that differ (`greedy proposer=ngram verifier=greedy`): a run whose proposer,
-    verifier or sampler was picked by hand is never reported, or taken by a sweep, as a preset it
-    is not."""
-    from pipeline.cli import compose_config, groups
-    name = cfg.get("name") or "custom"
-    if name not in groups()["decode"]:
-        return "custom"
-    ref = compose_config([f"decode={name}"])
-    differ = [f"{g}={component_choice(g, cfg.get(g))}" for g in ("proposer", "verifier", "sampler")
-              if _pick(ref.get(g)) != _pick(cfg.get(g))]
-    return " ".join([name, *differ])
+@dataclass
+class _Run:
+    """What `prepare` made of a config: the requests, what an earlier run in this directory finished,
+    the runner, and each request's grammar and prompt ids."""
+    cfg: DictConfig
+    name: str  # the run's name (`preset_name`)
+    reqs: list  # every request of the input, in order
+    out: Path  # the run directory
+    keys: dict[str, str]  # request id -> request_key
+    done: dict[str, dict]  # finished earlier: id -> item
+    todo: list[int]  # the requests to decode now (indices into reqs)
+    nodes: dict  # request index -> its constraint node (or None)
+    runner: object
+    backbone: object
+    grammar_cache: dict
+    grammars: dict  # request index -> its compiled Grammar (or None)
+    prompts: dict  # request index -> prompt token ids
 
-
-def _pick(node):
-    """What makes a component this component: its class (and, for samplers, whether it samples)."""
-    if node is None:
-        return None
-    return OmegaConf.select(node, "_target_"), OmegaConf.select(node, "do_sample")
-
-
-def component_choice(group: str, node) -> str:
-    """The config-group option a component node came from (the running Hydra app's choice, else
-    the conf/<group>/ file with the same class), for naming runs."""
-    if node is None:
-        return "null"
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        choice = HydraConfig.get().runtime.choices.get(group)
-        if choice:
-            return str(choice)
-    except ValueError:
-        pass
-    from pipeline.cli import CONF_DIR
-    import yaml
-    for f in sorted((CONF_DIR / group).glob("*.yaml")):
-        if _pick(OmegaConf.create(yaml.safe_load(f.read_text()) or {})) == _pick(node):
-            return f.stem
-    return str(OmegaConf.select(node, "_target_")).rsplit(".", 1)[-1]
-
-
-def load_items(path, keys: dict[str, str]) -> dict[str, dict]:
-    """Finished items of an earlier run in this directory, by id. A torn last line (a kill during
-    the append) is cut off so the next append starts a line of its own; an item made from another
-    prompt or pipeline is refused."""
-    done = {}
-    if not path.is_file():
-        return done
-    text = path.read_text()
-    if text and not text.endswith("\n"):
-        text = text[:text.rfind("\n") + 1]
-        path.write_text(text)
-    for line in text.splitlines():
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        rid = item.get("id")
-        if rid in keys:
-            if item.get("request_key") != keys[rid]:
-                raise UserError(f"{path} holds request {rid!r} decoded from another prompt or pipeline: "
-                                "resume with the same input and settings, or pick a new hydra.run.dir")
-            done[rid] = item
-    return done
-
-
-class _Signals:
-    """SIGINT/SIGTERM become KeyboardInterrupt, but never while a finished item is being saved."""
-
-    def __init__(self):
-        self.saving, self.pending = False, False
-
-    def handler(self, signum, frame):
-        if self.saving:
-            self.pending = True
-        else:
-            raise KeyboardInterrupt
-
-    @contextmanager
-    def installed(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        old = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-
-    @contextmanager
-    def saving_item(self):
-        self.saving = True
-        try:
-            yield
-        finally:
-            self.saving = False
-        if self.pending:
-            raise KeyboardInterrupt
-
-
-def request_key(cfg: DictConfig, r) -> str:
-    """What decides a request's tokens: its text, its constraint and the pipeline (model, sampler,
-    proposer, verifier, constraint, limits, seed, chat). Resuming refuses items made from another."""
-    parts = {"prompt": r.prompt, "messages": r.messages,
-             "request_constraint": r.constraint if cfg.get("request_constraints", True) else None,
-             **{k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg.get(k), DictConfig) else cfg.get(k)
-                for k in ("model", "sampler", "proposer", "verifier", "max_new_tokens", "seed", "chat", "system_prompt",
-                          "constraint", "num_beams", "length_penalty", "early_stopping", "num_return_sequences",
-                          "num_beam_groups", "diversity_penalty")}}
-    return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    @property
+    def items_path(self) -> Path:
+        return self.out / "items.jsonl"
 
 
 def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
-    reqs = load_requests(cfg.get("input"), cfg.get("prompt"))  # bad input fails before the model loads
-    positive_int(cfg, "max_new_tokens")
-    positive_int(cfg, "batch_size")
-    check_paths(cfg)
-    if cfg.get("verify_lossless") and cfg.get("num_beams") is not None:
+    """prepare -> run -> write: bad input fails before the model loads, each finished request is
+    saved at once, results.json covers what finished (also when interrupted)."""
+    signals = Signals()
+    with signals.installed():  # from here on, SIGTERM is a clean stop like Ctrl-C
+        run = prepare(cfg, backbone)
+        fresh, wall, interrupted = run_all(run, signals)
+        results, interrupted = write(run, fresh, wall, interrupted)
+    n = len(results["items"])
+    if interrupted:
+        raise Interrupted(f"interrupted: {n} of {len(run.reqs)} requests finished"
+                          f"{f', kept in {run.items_path}' if n else ''}; rerun with hydra.run.dir={run.out} to resume")
+    metrics = {**results["summary"], "results_path": str(run.out / "results.json")}
+    return metrics, {"engine": run.runner, "backbone": run.backbone, "results": results}
+
+
+def prepare(cfg: DictConfig, backbone=None) -> _Run:
+    """Check the input (before the model loads), find what an earlier run here finished, build the
+    runner (build_engine checks the config), and encode every request still to do."""
+    reqs = load_requests(cfg.get("input"), cfg.get("prompt"))
+    if cfg.get("verify_lossless") and not runner_class(cfg).plain:
         raise UserError("verify_lossless compares speculation with plain decoding; beam search has no plain "
                         "counterpart: drop verify_lossless=true")
-    constraint_nodes = request_constraints(cfg, reqs)  # an invalid regex/schema/grammar fails here too
-    name = preset_name(cfg)
+    nodes = request_constraints(cfg, reqs)  # an invalid regex/schema/grammar fails here too
     out = run_dir(cfg)
-    items_path = out / "items.jsonl"
     keys = {r.id: request_key(cfg, r) for r in reqs}
-    done = load_items(items_path, keys)
+    done = load_items(out / "items.jsonl", keys)
     todo = [k for k, r in enumerate(reqs) if r.id not in done]
-    signals, fresh = _Signals(), {}
-    with signals.installed():  # from here on, SIGTERM is a clean stop like Ctrl-C
-        engine, backbone = build_engine(cfg, backbone, with_constraint=False)  # each request's is passed
-        engine.record_trees = bool(cfg.get("record_trees", False))
-        tok, limit = backbone.tokenizer, backbone.model.args.max_seq_len
-        grammar_cache: dict = {}
-        grammars = build_grammars(backbone, constraint_nodes, todo, grammar_cache)
-        prompts = {k: encode(tok, with_constraint_text(reqs[k], grammars[k]), bool(cfg.chat), cfg.get("system_prompt"))
-                   for k in todo}
-        for k, ids in prompts.items():
-            if len(ids) >= limit:
-                raise UserError(f"request {reqs[k].id}: prompt is {len(ids)} tokens, the model's context is "
-                                f"{limit}: shorten it or raise model.max_seq_len")
-        made_in = {it.get("precision") for it in done.values()} - {None, backbone.precision}
-        if made_in:
-            raise UserError(f"{items_path} holds requests decoded in {', '.join(sorted(made_in))}, this run computes in "
-                            f"{backbone.precision}: pass model.dtype={sorted(made_in)[0]} to resume, or a new hydra.run.dir")
-        policy = speculation_policy(engine, name)
-        if done:
-            print(f"resuming in {out}: {len(done)} of {len(reqs)} requests already finished", file=sys.stderr)
-        if todo and cfg.get("warmup", True):  # first-call costs (allocation, MKL set-up) stay out of the timings
-            warm = copy.copy(engine)
-            warm.max_new_tokens = min(4, engine.max_new_tokens)
-            warm.run([prompts[todo[0]]])
-        printer = StreamPrinter(tok, [reqs[k].id for k in todo], show_ids=len(reqs) > 1) if cfg.stream else None
+    runner, backbone = build_engine(cfg, backbone, with_constraint=False)  # each request's is passed
+    cache: dict = {}
+    grammars = build_grammars(backbone, nodes, todo, cache)
+    prompts = {k: encode(backbone.tokenizer, with_constraint_text(reqs[k], grammars[k]), bool(cfg.chat),
+                         cfg.get("system_prompt")) for k in todo}
+    for k, ids in prompts.items():
+        check_prompt(reqs[k].id, ids, backbone.model.args.max_seq_len)
+    made_in = {it.get("precision") for it in done.values()} - {None, backbone.precision}
+    if made_in:
+        raise UserError(f"{out / 'items.jsonl'} holds requests decoded in {', '.join(sorted(made_in))}, this run "
+                        f"computes in {backbone.precision}: pass model.dtype={sorted(made_in)[0]} to resume, or a new "
+                        "hydra.run.dir")
+    if done:
+        print(f"resuming in {out}: {len(done)} of {len(reqs)} requests already finished", file=sys.stderr)
+    return _Run(cfg, preset_name(cfg), reqs, out, keys, done, todo, nodes, runner, backbone, cache, grammars, prompts)
 
-        def finished(j: int, g: Generation):
-            r = reqs[todo[j]]
-            item = {"id": r.id, "prompt": r.prompt, "text": tok.decode(g.token_ids, skip_special_tokens=True),
-                    **gen_fields(g), "request_key": keys[r.id], "precision": backbone.precision}
-            if g.beams is not None:  # beam search: every returned hypothesis, best first
-                item["beams"] = [{"token_ids": ids, "text": tok.decode(ids, skip_special_tokens=True), "score": score}
-                                 for ids, score in g.beams]
-                item["kv_peak_bytes"], item["kv_copy_per_beam_bytes"] = g.kv_peak_bytes, g.kv_copy_per_beam_bytes
-            if engine.record_trees:  # what pipeline.report draws, with each token's text
-                piece = lambda ids: [tok.decode([t]) for t in ids]
-                item["token_texts"] = piece(g.token_ids)
-                item["trees"] = [{**t, "texts": piece(t["tokens"])} for t in g.trees]
-            with signals.saving_item():
-                append_jsonl(items_path, item)
-                fresh[r.id] = item
-                if printer is not None:
-                    printer.finish(j)
-                if g.finish_reason == "context":
-                    print(f"[{r.id}] stopped at the context end ({limit} tokens): shorten the prompt or raise "
-                          "model.max_seq_len", file=sys.stderr)
-                if g.constraint_complete is False:
-                    print(f"[{r.id}] the output is incomplete: it stopped ({g.finish_reason}) before its {g.constraint} "
-                          "constraint could end; raise max_new_tokens", file=sys.stderr)
 
-        out.mkdir(parents=True, exist_ok=True)
-        interrupted, t0 = False, time.perf_counter()
+def run_all(run: _Run, signals: Signals) -> tuple[dict[str, dict], float, bool]:
+    """Decode the requests still to do, saving each as it finishes. Returns (the new items by id,
+    wall seconds, whether it was interrupted)."""
+    cfg, runner, todo, fresh = run.cfg, run.runner, run.todo, {}
+    if todo and cfg.get("warmup", True):  # first-call costs (allocation, MKL set-up) stay out of the timings
+        runner.run([run.prompts[todo[0]]], max_new_tokens=min(4, runner.max_new_tokens))
+    tok = run.backbone.tokenizer
+    printer = StreamPrinter(tok, [run.reqs[k].id for k in todo], show_ids=len(run.reqs) > 1) if cfg.stream else None
+
+    def finished(j: int, g: Generation) -> None:
+        r = run.reqs[todo[j]]
+        it = item(run, r, g)
+        with signals.saving_item():
+            append_jsonl(run.items_path, it)
+            fresh[r.id] = it
+            if printer is not None:
+                printer.finish(j)
+            for line in finish_notes(r.id, g, run.backbone.model.args.max_seq_len):
+                print(line, file=sys.stderr)
+
+    run.out.mkdir(parents=True, exist_ok=True)
+    interrupted, t0 = False, time.perf_counter()
+    try:
+        runner.run([run.prompts[k] for k in todo], [int(cfg.seed) + k for k in todo],
+                   on_tokens=printer.push if printer is not None else None, on_finish=finished,
+                   grammars=[run.grammars[k] for k in todo])
+    except KeyboardInterrupt:
+        interrupted = True
+    wall = time.perf_counter() - t0
+    if printer is not None:
+        printer.close()
+    return fresh, wall, interrupted
+
+
+def item(run: _Run, r, g: Generation) -> dict:
+    """One finished request as items.jsonl and results.json hold it."""
+    tok = run.backbone.tokenizer
+    out = {"id": r.id, "prompt": r.prompt, "text": tok.decode(g.token_ids, skip_special_tokens=True),
+           **gen_fields(g), "request_key": run.keys[r.id], "precision": run.backbone.precision}
+    if g.beams is not None:  # beam search: every returned hypothesis, best first
+        out["beams"] = [{"token_ids": ids, "text": tok.decode(ids, skip_special_tokens=True), "score": score}
+                        for ids, score in g.beams]
+        out["kv_peak_bytes"], out["kv_copy_per_beam_bytes"] = g.kv_peak_bytes, g.kv_copy_per_beam_bytes
+    if run.cfg.get("record_trees", False):  # what pipeline.report draws, with each token's text
+        piece = lambda ids: [tok.decode([t]) for t in ids]  # noqa: E731
+        out["token_texts"] = piece(g.token_ids)
+        out["trees"] = [{**t, "texts": piece(t["tokens"])} for t in g.trees]
+    return out
+
+
+def finish_notes(rid: str, g: Generation, limit: int) -> list[str]:
+    """What the terminal is told about a request that ended early."""
+    notes = []
+    if g.finish_reason == "context":
+        notes.append(f"[{rid}] stopped at the context end ({limit} tokens): shorten the prompt or raise "
+                     "model.max_seq_len")
+    if g.constraint_complete is False:
+        notes.append(f"[{rid}] the output is incomplete: it stopped ({g.finish_reason}) before its {g.constraint} "
+                     "constraint could end; raise max_new_tokens")
+    return notes
+
+
+def write(run: _Run, fresh: dict[str, dict], wall: float, interrupted: bool) -> tuple[dict, bool]:
+    """results.json from every finished item (earlier ones first where resumed), the summary of this
+    run's requests, verify_lossless's verdict, and the logger. Returns (results, interrupted)."""
+    cfg, runner, backbone, reqs = run.cfg, run.runner, run.backbone, run.reqs
+    items = [run.done.get(r.id) or fresh[r.id] for r in reqs if r.id in run.done or r.id in fresh]
+    summary = summarize(list(fresh.values()), wall)  # speed of this run's requests
+    summary.update(requests=len(items), finished_now=len(fresh), resumed=len(run.done), interrupted=interrupted,
+                   threads=torch.get_num_threads(), **runner.describe(), **backbone.describe())
+    policy = speculation_policy(runner, run.name)
+    if policy:
+        summary["speculation"] = policy
+    notice = backbone.lossless_notice(runner.drafting, runner.batch_size > 1)
+    if notice:
+        summary["lossless_notice"] = notice
+    guard = summary.get("guard")
+    if guard:
+        steps = guard["tree_steps"] + guard["plain_steps"]
+        if steps and guard["held_steps"] > steps / 2:
+            print(f"{run.name}: drafting did not pay in this run ({guard['held_steps']} of {steps} steps plain, "
+                  "paused by the speculation guard); speculation_guard=false always drafts", file=sys.stderr)
+    if cfg.get("verify_lossless") and not interrupted:
         try:
-            engine.run([prompts[k] for k in todo], [int(cfg.seed) + k for k in todo],
-                       on_tokens=printer.push if printer is not None else None, on_finish=finished,
-                       grammars=[grammars[k] for k in todo])
-        except KeyboardInterrupt:
-            interrupted = True
-        wall = time.perf_counter() - t0
-        if printer is not None:
-            printer.close()
-        items = [done.get(r.id) or fresh[r.id] for r in reqs if r.id in done or r.id in fresh]
-        summary = summarize(list(fresh.values()), wall)  # speed of this run's requests
-        summary.update(requests=len(items), finished_now=len(fresh), resumed=len(done), interrupted=interrupted,
-                       threads=torch.get_num_threads(),
-                       kv=engine.kv.stats(), **backbone.describe(), **({"speculation": policy} if policy else {}))
-        notice = backbone.lossless_notice(engine.proposer is not None, engine.batch_size > 1)
-        if notice:
-            summary["lossless_notice"] = notice
-        tree = getattr(engine.proposer or engine.idle_proposer, "tree_spec", None)
-        if tree is not None:
-            summary["tree"] = tree
-        guard = getattr(engine, "guard", None)
-        if guard is not None and engine.proposer is not None:
-            summary["guard"] = dict(guard.stats)
-            steps = guard.stats["tree_steps"] + guard.stats["plain_steps"]
-            if steps and guard.stats["held_steps"] > steps / 2:
-                print(f"{name}: drafting did not pay in this run ({guard.stats['held_steps']} of {steps} steps plain, "
-                      "paused by the speculation guard); speculation_guard=false always drafts", file=sys.stderr)
-        if cfg.get("verify_lossless") and not interrupted:
-            try:
-                summary.update(verify_lossless(engine, backbone, cfg, reqs, items, constraint_nodes, grammar_cache))
-            except KeyboardInterrupt:  # the decoding itself is complete: keep it, without a verdict
-                interrupted = summary["interrupted"] = True
-        results = {"decode": name, "plain": cfg.get("proposer") is None and cfg.get("num_beams") is None,
-                   "config": OmegaConf.to_container(cfg, resolve=True), "summary": summary, "items": items}
-        path = out / "results.json"
-        if fresh or not interrupted:  # an interrupted run that finished nothing leaves what is there alone
-            write_json(path, results)
-            if cfg.get("logger") is not None:
-                from pipeline.tracking import log_decode
-                log_decode(cfg, results, out)
-    if interrupted:
-        raise Interrupted(f"interrupted: {len(items)} of {len(reqs)} requests finished"
-                          f"{f', kept in {items_path}' if items else ''}; rerun with hydra.run.dir={out} to resume")
-    return {**summary, "results_path": str(path)}, {"engine": engine, "backbone": backbone, "results": results}
+            summary.update(verify_lossless(runner, backbone, cfg, reqs, items, run.nodes, run.grammar_cache))
+        except KeyboardInterrupt:  # the decoding itself is complete: keep it, without a verdict
+            interrupted = summary["interrupted"] = True
+    results = {"decode": run.name, "plain": is_plain(cfg), "config": OmegaConf.to_container(cfg, resolve=True),
+               "summary": summary, "items": items}
+    if fresh or not interrupted:  # an interrupted run that finished nothing leaves what is there alone
+        write_json(run.out / "results.json", results)
+        if cfg.get("logger") is not None:
+            log_decode(cfg, results, run.out)
+    return results, interrupted
 
 
 def request_constraints(cfg: DictConfig, reqs) -> dict[int, DictConfig | None]:
@@ -348,7 +284,6 @@ def request_constraints(cfg: DictConfig, reqs) -> dict[int, DictConfig | None]:
 def build_grammars(backbone, nodes: dict, todo: list[int], made: dict | None = None) -> dict:
     """Compiled grammars per request: one object per distinct constraint node (`made` caches them
     by node across calls)."""
-    from pipeline.build import component
     made = {} if made is None else made
     out = {}
     for k in todo:
@@ -374,7 +309,7 @@ def with_constraint_text(r, grammar):
 def speculation_policy(engine: Engine, name: str) -> dict | None:
     """The proposer's sizing decision (components/proposer/policy.py), said in one line when it is
     plain decoding; None for proposers without one."""
-    policy = getattr(engine.proposer or engine.idle_proposer, "policy", None)
+    policy = getattr(engine.drafter, "policy", None)
     if not policy:
         return None
     out = {k: policy[k] for k in ("nodes", "expected_speedup", "expected_accept_length", "precision")}

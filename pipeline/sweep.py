@@ -27,6 +27,8 @@ from pathlib import Path
 import yaml
 from hydra.experimental.callback import Callback
 
+from pipeline.build import is_plain  # noqa: F401  (the sweepers' test of a job: one definition of a plain run)
+
 METRICS = ("tokens_per_s", "speedup", "mean_accepted_length", "tree_step_ms", "plain_step_ms")
 # overrides of speculative settings (and of what only names or records a run): a plain job that
 # agrees with a job on every other override is its baseline
@@ -44,11 +46,6 @@ def context(overrides: list[str]) -> list[str]:
 
 def baseline_job(overrides: list[str]) -> list[str]:
     return [*context(overrides), "decode=greedy"]
-
-
-def is_plain(cfg) -> bool:
-    """No proposer, no beams: the job computes plain decoding, whatever its preset is called."""
-    return cfg.get("proposer") is None and cfg.get("num_beams") is None
 
 
 def with_baselines(jobs: list[list[str]], plain) -> list[list[str]]:

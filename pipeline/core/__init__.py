@@ -8,9 +8,10 @@ from pipeline.core.types import Accepted, DecodeState, Generation, StepBatch
 from pipeline.core.target import Target, TargetStage
 from pipeline.core.protocols import Constraint, Grammar, KVManager, LogitsProcessor, Proposer, Sampler, Verifier
 from pipeline.core.chat import encode_chat
+from pipeline.core.runner import Request, Runner
 from pipeline.core.engine import Engine, forward_rows
 from pipeline.core.beam import BeamSearch
 
 __all__ = ["Accepted", "BeamSearch", "Constraint", "DecodeState", "Engine", "Generation", "Grammar", "KVManager", "LogitsProcessor",
-           "Proposer", "Sampler", "StaticTree", "StepBatch", "Target", "TargetStage", "Tree", "UserError",
+           "Proposer", "Request", "Runner", "Sampler", "StaticTree", "StepBatch", "Target", "TargetStage", "Tree", "UserError",
            "Verifier", "append_jsonl", "atomic_write", "dynamic_tree", "encode_chat", "forward_rows", "write_json"]

@@ -22,15 +22,13 @@ sentinels) mirrors transformers' so that hypotheses and scores come out the same
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-from pipeline.core.constrain import unpack, words
-from pipeline.core.engine import check_prompts, request_grammars
+from pipeline.core.constrain import words
 from pipeline.core.errors import UserError
+from pipeline.core.runner import Request, Runner, check_positive
 from pipeline.core.target import TargetStage
 from pipeline.core.types import Generation, StepBatch
 
@@ -53,6 +51,7 @@ class _Request:
     grammar: object
     gen: Generation
     t0: float
+    max_new_tokens: int
     beams: list[_Beam] = field(default_factory=list)
     running: torch.Tensor | None = None  # (num_beams,) float32 running scores
     fin_scores: torch.Tensor | None = None  # (num_beams,) float32, NEG where empty
@@ -69,18 +68,17 @@ class _Request:
     group_done: list = field(default_factory=list)
 
 
-class BeamSearch:
-    """Decodes requests `batch_size` at a time by beam search; the runner interface of `Engine`
-    (`run`, `generate`), with `Generation.beams` holding each request's hypotheses, best first."""
+class BeamSearch(Runner):
+    """Decodes requests `batch_size` at a time by beam search, with `Generation.beams` holding each
+    request's hypotheses, best first; on_tokens(i, best hypothesis, None) once request i is done
+    (beams are not final before)."""
 
     def __init__(self, model, kv, sampler, eos_ids: list[int], max_new_tokens: int, num_beams: int = 4,
                  length_penalty: float = 1.0, early_stopping=False, num_return_sequences: int = 1,
                  num_beam_groups: int = 1, diversity_penalty: float = 0.0, seed: int = 0, batch_size: int = 1,
                  constraint=None):
-        for name, v in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("num_beams", num_beams),
-                        ("num_return_sequences", num_return_sequences), ("num_beam_groups", num_beam_groups)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise UserError(f"{name} must be a positive int, got {v!r}")
+        super().__init__(model, kv, sampler, eos_ids, max_new_tokens, seed, batch_size, constraint)
+        check_positive(num_beams=num_beams, num_return_sequences=num_return_sequences, num_beam_groups=num_beam_groups)
         if num_return_sequences > num_beams:
             raise UserError(f"num_return_sequences={num_return_sequences} exceeds num_beams={num_beams}: "
                             "beam search returns at most num_beams hypotheses")
@@ -98,56 +96,20 @@ class BeamSearch:
         warpers = [type(p).__name__ for p in sampler.processors if type(p).__name__ in ("Temperature", "TopK", "TopP")]
         if warpers:
             raise UserError(f"{', '.join(warpers)} do not apply to beam search: drop sampler.temperature / top_k / top_p")
-        self.model, self.kv, self.sampler = model, kv, sampler
-        self.eos_ids, self.max_new_tokens = set(eos_ids), max_new_tokens
         self.num_beams, self.length_penalty = num_beams, float(length_penalty)
         self.early_stopping, self.num_return_sequences = early_stopping, num_return_sequences
         self.num_beam_groups, self.diversity_penalty = num_beam_groups, float(diversity_penalty)
-        self.seed, self.batch_size, self.constraint = seed, batch_size, constraint
-        self.processors = TargetStage(sampler.processors)
-        self.proposer = self.idle_proposer = self.verifier = None
+        # processors, then each beam's constraint mask; a beam that left its language has no allowed
+        # token and scores -inf everywhere (it is never continued), which is not an error here
+        self.target = TargetStage(sampler.processors, empty_rows="allowed")
 
-    # --- public ------------------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[int], on_tokens=None, seed: int | None = None, grammar=None) -> Generation:
-        cb = None if on_tokens is None else (lambda i, ids, hidden: on_tokens(ids))
-        return self.run([prompt_ids], on_tokens=cb, grammars=None if grammar is None else [grammar])[0]
-
-    @torch.inference_mode()
-    def run(self, prompts: list[list[int]], seeds: list[int] | None = None,
-            on_tokens: Callable | None = None, on_finish: Callable | None = None,
-            grammars: list | None = None) -> list[Generation]:
-        """Decode every prompt; on_tokens(i, best hypothesis, None) once request i is done (beams are
-        not final before), then on_finish(i, generation). Every beam's memory goes back to the pool
-        on any exception."""
+    def _join(self, joining: list[tuple[int, Request]]) -> None:
         limit = self.model.args.max_seq_len
-        check_prompts(prompts, limit)
-        grammars = request_grammars(grammars, self.constraint, len(prompts))
-        queue, live = deque(range(len(prompts))), []
-        out: list[Generation | None] = [None] * len(prompts)
-        try:
-            while queue or live:
-                joining = []
-                while queue and len(live) + len(joining) < self.batch_size:
-                    i = queue.popleft()
-                    joining.append(_Request(i, list(prompts[i]), min(len(prompts[i]) + self.max_new_tokens, limit),
-                                            grammars[i], Generation(), time.perf_counter()))
-                if joining:
-                    self._prefill(joining, live)
-                if any(not r.done for r in live):
-                    self._step([r for r in live if not r.done])
-                for r in [r for r in live if r.done]:
-                    live.remove(r)
-                    self._release(r)
-                    out[r.index] = self._finish(r, on_tokens)
-                    if on_finish is not None:
-                        on_finish(r.index, out[r.index])
-        finally:
-            for r in live:
-                self._release(r)
-        return out
+        self._prefill([_Request(h, list(r.prompt), min(len(r.prompt) + self._budget_of(r), limit), self._grammar(r),
+                                Generation(), time.perf_counter(), self._budget_of(r)) for h, r in joining])
 
     # --- steps -------------------------------------------------------------------------------------
-    def _prefill(self, joining: list[_Request], live: list[_Request]) -> None:
+    def _prefill(self, joining: list[_Request]) -> None:
         for r in joining:
             seq = self.kv.create()
             r.beams = [_Beam(seq, [], None if r.grammar is None else r.grammar.start())]
@@ -157,7 +119,7 @@ class BeamSearch:
             r.running[1:] = NEG
             r.fin_scores, r.fin_done = torch.full((n,), NEG), torch.zeros(n, dtype=torch.bool)
             r.fin_tokens = [[] for _ in range(n)]
-            live.append(r)
+            self._live.append(r)
         step = StepBatch.build([r.beams[0].seq for r in joining], [torch.tensor(r.prompt) for r in joining],
                                [None] * len(joining), [None] * len(joining), [0] * len(joining), self.model.attn_dtype)
         h = self.model.step(step, self.kv)
@@ -193,8 +155,8 @@ class BeamSearch:
             return self._advance_groups(r, logits)
         n, vocab = self.num_beams, logits.shape[-1]
         log_probs = torch.log_softmax(logits.float(), dim=-1)
-        log_probs = self.processors(log_probs, input_ids=lambda: [r.prompt + b.tokens for b in r.beams]).scores
-        log_probs = self._mask(r, log_probs)
+        log_probs = self.target(log_probs, input_ids=lambda: [r.prompt + b.tokens for b in r.beams],
+                                allowed=self._allowed(r, vocab)).scores
         if r.first:  # every beam holds the prompt: the same row, scores [0, -1e9, ...]
             log_probs = log_probs.expand(n, vocab)
         cand = (log_probs + r.running[:, None]).reshape(-1)
@@ -251,9 +213,10 @@ class BeamSearch:
             r.group_worst = [1e9] * groups
             r.group_done = [False] * groups
         log_probs = torch.log_softmax(logits.float(), dim=-1)
-        log_probs = self._mask(r, log_probs)
+        allowed = self._allowed(r, vocab)
         if r.first:
             log_probs = log_probs.expand(n, vocab)
+            allowed = None if allowed is None else allowed.expand(n, -1)
         contexts = [r.prompt + b.tokens for b in r.beams] if not r.first else [r.prompt] * n
         cur_len = r.cur_len + 1  # the length the new scores are computed on (prompt + generated + 1)
         pad = min(self.eos_ids)
@@ -263,7 +226,8 @@ class BeamSearch:
         parents, tokens = [0] * n, [pad] * n
         for g in range(groups):
             rows = list(range(g * size, (g + 1) * size))
-            lp = self.processors(log_probs[rows], input_ids=lambda: [contexts[i] for i in rows]).scores
+            lp = self.target(log_probs[rows], input_ids=lambda: [contexts[i] for i in rows],
+                             allowed=None if allowed is None else allowed[rows]).scores
             if g > 0:
                 freq = torch.bincount(current[:g * size], minlength=vocab).to(lp.dtype)
                 lp = lp - self.diversity_penalty * freq
@@ -340,15 +304,15 @@ class BeamSearch:
             best = best_sum_logprobs / (cur_len - prompt) ** self.length_penalty
         return r.group_worst[g] >= best
 
-    def _mask(self, r: _Request, log_probs: torch.Tensor) -> torch.Tensor:
-        """Each beam's row masked with its own constraint state (-inf outside the language)."""
+    def _allowed(self, r: _Request, vocab: int) -> torch.Tensor | None:
+        """Each beam's packed allowed set from its own constraint state (None: no beam is constrained)."""
         if all(b.constraint is None for b in r.beams):
-            return log_probs
-        bits = torch.full((len(r.beams), words(log_probs.shape[-1])), -1, dtype=torch.int32)
+            return None
+        bits = torch.full((len(r.beams), words(vocab)), -1, dtype=torch.int32)
         for k, b in enumerate(r.beams):
             if b.constraint is not None:
                 b.constraint.fill(bits[k])
-        return log_probs.masked_fill(~unpack(bits, log_probs.shape[-1]), float("-inf"))
+        return bits
 
     def _reorder(self, r: _Request, parents: list[int], tokens: list[int]) -> None:
         """The new running beams: child j continues beam parents[j] with tokens[j]. A parent's first
@@ -380,18 +344,18 @@ class BeamSearch:
                 self.kv.free(b.seq)
         r.beams = []
 
-    def _finish(self, r: _Request, on_tokens) -> Generation:
+    def _finish(self, r: _Request) -> Generation:
         gen = r.gen
         hyps = [(toks, float(s)) for toks, s, d in zip(r.fin_tokens, r.fin_scores.tolist(), r.fin_done.tolist()) if d]
         gen.beams = hyps[:self.num_return_sequences]
         best = gen.beams[0][0] if gen.beams else []
         gen.token_ids = list(best)
         gen.finish_reason = "eos" if best and best[-1] in self.eos_ids else (
-            "context" if r.max_length < len(r.prompt) + self.max_new_tokens else "length")
+            "context" if r.max_length < len(r.prompt) + r.max_new_tokens else "length")
         gen.wall_s = time.perf_counter() - r.t0
         gen.kv_peak_bytes, gen.kv_copy_per_beam_bytes = r.kv_peak, r.kv_copy
-        if on_tokens is not None and best:
-            on_tokens(r.index, best, None)
+        if self.on_tokens is not None and best:
+            self.on_tokens(r.index, best, None)
         return gen
 
 

@@ -1,32 +1,26 @@
-"""The step loop over many sequences: admit -> propose -> one target forward -> verify -> commit.
+"""The step loop over many sequences: propose -> one target forward -> target -> verify -> commit.
 
 Every live sequence's root (a plain step) or tree is packed into one target forward (`StepBatch`:
 block-diagonal attention, each row positioned within its own sequence). The target-distribution
 stage processes every row once; plain rows are sampled, trees are verified, and each sequence
-commits its own accepted path. A request that finishes leaves the batch at once and the next one
-is admitted (joining prompts prefilled together) before the next step: continuous batching.
+commits its own accepted path. Requests join and leave between steps (`pipeline.core.runner`):
+continuous batching.
 
 The root of a sequence is its newest token, already chosen and streamed, whose keys/values are not
 cached yet; a step with no draft is exactly a plain decode step, and every step commits
-accept_length + 1 tokens per target forward.
-
-A request may carry a constraint (a `Grammar`): its sequence then holds a `Constraint` state, every
-row of it is masked with the allowed set of its own state in the target stage, drafts that leave the
-language are pruned before the forward (`walk_tree`), and committed tokens advance the state. When
-nothing but EOS may follow, the request ends (`constraint_complete`) with that EOS appended without
-a forward: the masked distribution is one-hot on it.
+accept_length + 1 tokens per target forward. Constrained requests are handled by one object,
+`StepConstraints` (pipeline/core/masks.py): prune the drafts, start the masks, wait for them, advance.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from pipeline.core.constrain import allows, walk_tree, words
 from pipeline.core.errors import UserError
+from pipeline.core.masks import StepConstraints
+from pipeline.core.runner import Request, Runner
 from pipeline.core.target import TargetStage
 from pipeline.core.tree import Tree
 from pipeline.core.types import DecodeState, Generation, StepBatch
@@ -45,7 +39,7 @@ def forward_rows(model, kv, seq: int, tokens: torch.Tensor, depths: torch.Tensor
 
 @dataclass
 class _Live:
-    index: int  # the request's position in the run
+    index: int  # the request's handle
     seq: int  # its sequence id in the KV pool
     prompt_len: int
     tokens: list[int]  # prompt + committed tokens; the last is the root
@@ -53,117 +47,91 @@ class _Live:
     gen: Generation
     generator: torch.Generator
     t0: float
-    constraint: object = None  # its Constraint state, when the request is constrained
+    max_new_tokens: int
+    grammar: object = None  # its Grammar, when the request is constrained
+    constraint: object = None  # ... and that grammar's Constraint state
     done: bool = False
     mask_s: float = 0.0  # constraint time (masks, tree walk, advances) in the current step
 
 
-class Engine:
+class Engine(Runner):
     """Decodes requests `batch_size` at a time with one model, KV pool, sampler and, optionally, a
-    proposer + verifier. Tokens do not depend on the batch size (up to float rounding of batched
-    matmuls, see the README) and sampling is seeded per request."""
+    proposer + verifier. Tokens do not depend on the batch size (where the model's products are
+    batch-invariant, see the README) and sampling is seeded per request."""
+    speculates = True
+    plain = True
 
     def __init__(self, model, kv, sampler, eos_ids: list[int], max_new_tokens: int, proposer=None,
-                 verifier=None, seed: int = 0, batch_size: int = 1, constraint=None, guard=None):
-        for name, v in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise UserError(f"{name} must be a positive int, got {v}")
+                 verifier=None, seed: int = 0, batch_size: int = 1, constraint=None, guard=None,
+                 record_trees: bool = False):
+        super().__init__(model, kv, sampler, eos_ids, max_new_tokens, seed, batch_size, constraint)
         if proposer is not None and verifier is None:
             raise UserError("a proposer needs a verifier: add verifier=greedy")
-        if proposer is not None and not sampler.greedy and not getattr(verifier, "samples", False):
+        if proposer is not None and not sampler.greedy and not verifier.samples:
             raise UserError(f"verifier {type(verifier).__name__} is lossless only for sampler=greedy: to sample "
                             "with speculation use verifier=exact (or verifier=typical), or drop the proposer")
-        self.model, self.kv, self.sampler = model, kv, sampler
-        self.eos_ids, self.max_new_tokens = set(eos_ids), max_new_tokens
         self.idle_proposer = None  # a proposer that will never draft (kept for what it reports)
         if proposer is not None and not proposer.active:
             self.idle_proposer, proposer = proposer, None  # e.g. no tree pays here: plain steps, no overhead
         self.proposer, self.verifier = proposer, verifier
-        self.seed, self.batch_size = seed, batch_size
-        self.constraint = constraint  # the Grammar every request follows unless it brings its own
-        self._pool = None  # a worker thread for constraint masks, made on first use
-        self.target = TargetStage(sampler.processors, greedy=sampler.greedy)
-        self.record_trees = False  # keep every verified tree in Generation.trees (pipeline.report draws them)
         self.guard = guard  # a SpeculationGuard: pauses drafting while it does not pay (None: always draft)
+        self.record_trees = record_trees  # keep every verified tree in Generation.trees (pipeline.report draws them)
+        self.target = TargetStage(sampler.processors, greedy=sampler.greedy)
+        self.masks = StepConstraints(model.args.vocab_size, self.eos_ids)
 
-    # --- public ------------------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[int], on_tokens: Callable[[list[int]], None] | None = None,
-                 seed: int | None = None, grammar=None) -> Generation:
-        """One request on its own."""
-        cb = None if on_tokens is None else (lambda i, ids, hidden: on_tokens(ids))
-        return self.run([prompt_ids], [self.seed if seed is None else seed], on_tokens=cb,
-                        grammars=None if grammar is None else [grammar])[0]
-
-    @torch.inference_mode()
-    def run(self, prompts: list[list[int]], seeds: list[int] | None = None,
-            on_tokens: Callable[[int, list[int], torch.Tensor], None] | None = None,
-            on_finish: Callable[[int, Generation], None] | None = None,
-            grammars: list | None = None) -> list[Generation]:
-        """Decode every prompt. on_tokens(i, ids, hidden): request i committed `ids`, chosen by the
-        target states hidden (n, dim); on_finish(i, generation) as soon as request i is done.
-        grammars[i]: request i's own constraint (None: the engine's). On any exception (a failure,
-        Ctrl-C) every live sequence's memory goes back to the pool first."""
-        check_prompts(prompts, self.model.args.max_seq_len)
-        seeds = [self.seed + i for i in range(len(prompts))] if seeds is None else list(seeds)
-        self._grammars = request_grammars(grammars, self.constraint, len(prompts))
+    def _start_run(self) -> None:
         if self.guard is not None:
             self.guard.reset()
-        queue, live = deque(range(len(prompts))), []
-        out: list[Generation | None] = [None] * len(prompts)
-        try:
-            while queue or live:
-                joining = []
-                while queue and len(live) + len(joining) < self.batch_size:
-                    i = queue.popleft()
-                    joining.append((i, prompts[i], seeds[i]))
-                if joining:
-                    self._admit(joining, live, on_tokens)
-                if not all(s.done for s in live):
-                    self._step([s for s in live if not s.done], on_tokens)
-                for s in [s for s in live if s.done]:
-                    live.remove(s)
-                    self._release(s)
-                    s.gen.wall_s = time.perf_counter() - s.t0
-                    out[s.index] = s.gen
-                    if on_finish is not None:
-                        on_finish(s.index, s.gen)
-        finally:
-            for s in live:
-                self._release(s)
+
+    @property
+    def drafting(self) -> bool:
+        return self.proposer is not None
+
+    @property
+    def drafter(self):
+        return self.proposer or self.idle_proposer
+
+    def describe(self) -> dict:
+        out = super().describe()
+        tree = getattr(self.drafter, "tree_spec", None)
+        if tree is not None:
+            out["tree"] = tree
+        if self.guard is not None and self.proposer is not None:
+            out["guard"] = dict(self.guard.stats)
         return out
 
-    # --- requests join ------------------------------------------------------------------------------
-    def _admit(self, joining: list[tuple[int, list[int], int]], live: list[_Live], on_tokens) -> None:
+    # --- requests join and leave ----------------------------------------------------------------
+    def _join(self, joining: list[tuple[int, Request]]) -> None:
         """Prefill the joining requests, packed into forwards of at most PREFILL_ROWS padded prompt
-        rows (a longer prompt goes alone), choose each one's first token, and add them to `live`
-        (as soon as their sequences exist, so a failure releases them with the rest)."""
-        group: list[tuple[int, list[int], int]] = []
-        for req in joining:
-            if group and (len(group) + 1) * max(len(req[1]), *(len(r[1]) for r in group)) > PREFILL_ROWS:
-                self._prefill(group, live, on_tokens)
+        rows (a longer prompt goes alone), and choose each one's first token."""
+        group: list[tuple[int, Request]] = []
+        for item in joining:
+            if group and (len(group) + 1) * max(len(item[1].prompt), *(len(r.prompt) for _, r in group)) > PREFILL_ROWS:
+                self._prefill(group)
                 group = []
-            group.append(req)
-        self._prefill(group, live, on_tokens)
+            group.append(item)
+        self._prefill(group)
 
-    def _prefill(self, group: list[tuple[int, list[int], int]], live: list[_Live], on_tokens) -> None:
+    def _prefill(self, group: list[tuple[int, Request]]) -> None:
         t0 = time.perf_counter()
         joined = []
-        for i, prompt, seed in group:
-            grammar = self._grammars[i]
-            joined.append(_Live(i, self.kv.create(), len(prompt), list(prompt), None, Generation(),
-                                torch.Generator().manual_seed(seed), t0,
-                                None if grammar is None else grammar.start()))
-            joined[-1].gen.constraint = None if grammar is None else grammar.kind
-            live.append(joined[-1])
+        for handle, r in group:
+            grammar = self._grammar(r)
+            s = _Live(handle, self.kv.create(), len(r.prompt), list(r.prompt), None, Generation(),
+                      torch.Generator().manual_seed(r.seed), t0, self._budget_of(r), grammar,
+                      None if grammar is None else grammar.start())
+            s.gen.constraint = None if grammar is None else grammar.kind
+            self._live.append(s)
+            joined.append(s)
         step = StepBatch.build([s.seq for s in joined], [torch.tensor(s.tokens) for s in joined],
                                [None] * len(joined), [None] * len(joined), [0] * len(joined), self.model.attn_dtype)
-        masks = self._masks(joined, [None] * len(joined), [1] * len(joined))
-        h = self.model.step(step, self.kv)  # (R, dim): every prompt position of every joining request
+        masks = self.masks.start(joined, [None] * len(joined), [1] * len(joined))
+        h = self._forward(step)  # (R, dim): every prompt position of every joining request
         last = [o - 1 for o in step.offsets[1:]]
         allowed = masks()
         p = self.target(self.model.logits(h[last]), input_ids=lambda: [s.tokens for s in joined], allowed=allowed,
-                        describe=self._describe(joined, [1] * len(joined)))
-        self._share_apply(joined, allowed)
+                        describe=self.masks.describe(joined, [1] * len(joined)))
+        self.masks.charge(joined, allowed, self.target.mask_s)
         ms = (time.perf_counter() - t0) * 1e3
         for b, s in enumerate(joined):
             self.kv.commit(s.seq)
@@ -173,8 +141,8 @@ class Engine:
                 self.proposer.observe(s.seq, s.tokens[1:] + [first], h[step.offsets[b]:step.offsets[b + 1]])
             s.hidden = h[last[b]]
             s.gen.prefill_ms = ms
-            self._emit(s, [first], h[last[b]:last[b] + 1], on_tokens)
-            self._note_mask(s)
+            self._emit(s, [first], h[last[b]:last[b] + 1])
+            self.masks.note(s)
 
     def _release(self, s: _Live) -> None:
         if s.seq in self.kv.sequences:
@@ -182,73 +150,29 @@ class Engine:
         if self.proposer is not None:
             self.proposer.release(s.seq)
 
-    # --- one step over every live sequence -------------------------------------------------------
-    def _budget(self, s: _Live) -> int:
-        """Tokens this sequence may still commit: up to max_new_tokens and the context end."""
-        n = len(s.gen.token_ids)
-        return min(self.max_new_tokens - n, self.model.args.max_seq_len - s.prompt_len - n)
+    def _finish(self, s: _Live) -> Generation:
+        s.gen.wall_s = time.perf_counter() - s.t0
+        return s.gen
 
-    def _step(self, live: list[_Live], on_tokens) -> None:
+    # --- one step over every live sequence -------------------------------------------------------
+    def _step(self, live: list[_Live]) -> None:
         t = time.perf_counter()
-        model, kv = self.model, self.kv
-        rank = {seq: r for r, seq in enumerate(kv.batch_order([s.seq for s in live]))}
+        rank = {seq: r for r, seq in enumerate(self.kv.batch_order([s.seq for s in live]))}
         live = sorted(live, key=lambda s: rank[s.seq])
-        speculate = self.proposer is not None and (self.guard is None or self.guard.speculate())
-        drafted = [s for s in live if speculate and self._budget(s) > 1]
-        proposals = dict(zip((s.seq for s in drafted), self.proposer.propose_all(
-            [DecodeState(s.seq, s.tokens, s.hidden, model, kv, self._budget(s), s.generator) for s in drafted])
-            if drafted else []))
-        for s in drafted:
-            if self.proposer.sampled and proposals[s.seq] is not None and proposals[s.seq].q is None:
-                raise RuntimeError(f"{type(self.proposer).__name__} samples its drafts but gave no q: "
-                                   "exact verification needs the draft distribution of every node")
-            if kv.pending(s.seq):
-                raise RuntimeError(f"{type(self.proposer).__name__} left {kv.pending(s.seq)} tentative KV slots "
-                                   "of a sequence: a drafting proposer must discard its own slots")
-        trees, node_bits = [], []
-        for s in live:
-            tree, bits = proposals.get(s.seq), None
-            if tree is None:
-                tree = Tree.root(s.tokens[-1])
-            else:  # never more nodes than tokens left, never a draft past max_new_tokens or the context
-                budget = self._budget(s)
-                tree = tree.prune(budget - 1, min(budget, model.args.max_seq_len - kv.used(s.seq)))
-                if s.constraint is not None and tree.size > 1:  # drafts that leave the language go now
-                    t0 = time.perf_counter()
-                    tree, bits, pruned = walk_tree(s.constraint, tree, self.eos_ids, model.args.vocab_size,
-                                                   self._narrower(s))
-                    s.gen.pruned_drafts += pruned
-                    s.mask_s += time.perf_counter() - t0
-            trees.append(tree)
-            node_bits.append(bits)
+        trees, node_bits = self._propose(live)
         step = StepBatch.build([s.seq for s in live], [tr.tokens for tr in trees],
                                [None if tr.size == 1 else tr.depth for tr in trees],
                                [None if tr.size == 1 else tr.mask for tr in trees],
-                               [kv.used(s.seq) for s in live], model.attn_dtype)
+                               [self.kv.used(s.seq) for s in live], self.model.attn_dtype)
         sizes = [tr.size for tr in trees]
-        masks = self._masks(live, node_bits, sizes)
-        h = model.step(step, kv)  # (R, dim)
+        masks = self.masks.start(live, node_bits, sizes)
+        h = self._forward(step)  # (R, dim)
         allowed = masks()
-        p = self.target(model.logits(h), input_ids=lambda: _contexts(live, trees), allowed=allowed,
-                        describe=self._describe(live, sizes))
-        self._share_apply(live, allowed)
-        committed = []
-        for s, tree, o in zip(live, trees, step.offsets):
-            if tree.size == 1:
-                path, new = [0], self.sampler.choose(p.rows(o, o + 1), [s.generator])
-                kv.commit(s.seq)
-            else:
-                acc = self.verifier.verify(tree, p.rows(o, o + tree.size), s.generator)
-                path, new = acc.path, acc.tokens
-                kv.commit(s.seq, path)
-                if self.record_trees:
-                    s.gen.trees.append({"step": len(s.gen.accepted_lengths), "tokens": tree.tokens.tolist(),
-                                        "parents": tree.parents.tolist(), "path": [int(i) for i in path]})
-            hidden = h[o + torch.tensor(path, device=h.device)] if len(path) > 1 else h[o:o + 1]  # (n, dim) along the path
-            if self.proposer is not None:
-                self.proposer.observe(s.seq, new, hidden)
-            s.hidden = hidden[-1]
-            committed.append((new, hidden))
+        p = self.target(self.model.logits(h), input_ids=lambda: _contexts(live, trees), allowed=allowed,
+                        describe=self.masks.describe(live, sizes))
+        self.masks.charge(live, allowed, self.target.mask_s)
+        committed = [self._commit(s, tree, p.rows(o, o + tree.size), h[o:o + tree.size])
+                     for s, tree, o in zip(live, trees, step.offsets)]
         ms = (time.perf_counter() - t) * 1e3
         if self.guard is not None and self.proposer is not None:
             self.guard.record(any(tr.size > 1 for tr in trees), sum(len(new) for new, _ in committed), ms)
@@ -256,91 +180,68 @@ class Engine:
             s.gen.step_ms.append(ms)
             s.gen.step_nodes.append(tree.size)
             s.gen.tree_depths.append(tree.max_depth)
-            self._emit(s, new, hidden, on_tokens)
-            self._note_mask(s)
+            self._emit(s, new, hidden)
+            self.masks.note(s)
 
-    # --- constraints -------------------------------------------------------------------------------
-    def _masks(self, seqs: list[_Live], node_bits: list, sizes: list[int]) -> Callable[[], torch.Tensor | None]:
-        """Start building the (R, W) packed allowed sets of a step's rows: a tree's rows from its
-        walk, a root's from its state, an unconstrained sequence's rows all set. The roots' sets are
-        computed on a worker thread while the target forward runs (the grammar's state moved with
-        the last commit; the forward does not need it); the returned callable waits for them and
-        returns the sets (None when no sequence is constrained). Only the wait counts in mask_ms."""
-        if all(s.constraint is None for s in seqs):
-            return lambda: None
-        vocab = self.model.args.vocab_size
-        bits = torch.full((sum(sizes), words(vocab)), -1, dtype=torch.int32)
-        roots, o = [], 0
-        for s, nb, n in zip(seqs, node_bits, sizes):
-            if nb is not None:
-                bits[o:o + n] = nb
-            elif s.constraint is not None:
-                roots.append((s, o))
-            o += n
+    def _forward(self, step: StepBatch) -> torch.Tensor:
+        return self.model.step(step, self.kv)
 
-        @torch.inference_mode()  # the worker thread's own mode: bits was made under the engine's
-        def fill_roots() -> None:
-            for s, o in roots:
-                s.constraint.fill(bits[o])
-                narrow = self._narrower(s)
-                if narrow is not None:
-                    narrow(bits[o], 0, s.constraint)
+    def _budget(self, s: _Live) -> int:
+        """Tokens this sequence may still commit: up to its max_new_tokens and the context end."""
+        n = len(s.gen.token_ids)
+        return min(s.max_new_tokens - n, self.model.args.max_seq_len - s.prompt_len - n)
 
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="constraint-masks")
-        job = self._pool.submit(fill_roots) if roots else None
+    def _propose(self, live: list[_Live]) -> tuple[list[Tree], list]:
+        """Each sequence's tree for this step (a lone root where nothing is drafted), pruned to its
+        budget and its language, and the nodes' packed allowed sets where a walk computed them."""
+        speculate = self.proposer is not None and (self.guard is None or self.guard.speculate())
+        drafted = [s for s in live if speculate and self._budget(s) > 1]
+        proposals = dict(zip((s.seq for s in drafted), self.proposer.propose_all(
+            [DecodeState(s.seq, s.tokens, s.hidden, self.model, self.kv, self._budget(s), s.generator)
+             for s in drafted]) if drafted else []))
+        for s in drafted:
+            self._check_proposal(s, proposals[s.seq])
+        trees, node_bits = [], []
+        for s in live:
+            tree, bits = proposals.get(s.seq), None
+            if tree is None:
+                tree = Tree.root(s.tokens[-1])
+            else:  # never more nodes than tokens left, never a draft past max_new_tokens or the context
+                budget = self._budget(s)
+                tree = tree.prune(budget - 1, min(budget, self.model.args.max_seq_len - self.kv.used(s.seq)))
+                tree, bits = self.masks.prune(s, tree)  # drafts that leave the language go now
+            trees.append(tree)
+            node_bits.append(bits)
+        return trees, node_bits
 
-        def finish() -> torch.Tensor:
-            t0 = time.perf_counter()
-            if job is not None:
-                job.result()
-            share = (time.perf_counter() - t0) / max(1, len(roots))
-            for s, _ in roots:
-                s.mask_s += share
-            return bits
-        return finish
+    def _check_proposal(self, s: _Live, tree: Tree | None) -> None:
+        if self.proposer.sampled and tree is not None and tree.q is None:
+            raise RuntimeError(f"{type(self.proposer).__name__} samples its drafts but gave no q: "
+                               "exact verification needs the draft distribution of every node")
+        if self.kv.pending(s.seq):
+            raise RuntimeError(f"{type(self.proposer).__name__} left {self.kv.pending(s.seq)} tentative KV slots "
+                               "of a sequence: a drafting proposer must discard its own slots")
 
-    def _narrower(self, s: _Live):
-        """The closing margin: in the last `close_margin` tokens of max_new_tokens, a row's allowed set
-        shrinks to the tokens that bring the output closest to a complete one (`Constraint.close`:
-        for JSON, those that close strings, arrays and objects, and EOS), so an output that would run
-        past the budget still ends in its language. None when the request's grammar has no margin."""
-        margin = getattr(self._grammars[s.index], "close_margin", None)
-        if not margin:
-            return None
-        start = self.max_new_tokens - margin - len(s.gen.token_ids)  # depth from which the margin applies
+    def _commit(self, s: _Live, tree: Tree, p, h: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Verify s's tree against its rows of the target (p, and hidden h (n, dim)), keep the accepted
+        path's KV slots, and return the committed tokens with the hidden states along the path."""
+        if tree.size == 1:
+            path, new = [0], self.sampler.choose(p, [s.generator])
+            self.kv.commit(s.seq)
+        else:
+            acc = self.verifier.verify(tree, p, s.generator)
+            path, new = acc.path, acc.tokens
+            self.kv.commit(s.seq, path)
+            if self.record_trees:
+                s.gen.trees.append({"step": len(s.gen.accepted_lengths), "tokens": tree.tokens.tolist(),
+                                    "parents": tree.parents.tolist(), "path": [int(i) for i in path]})
+        hidden = h[torch.tensor(path, device=h.device)] if len(path) > 1 else h[:1]  # (n, dim) along the path
+        if self.proposer is not None:
+            self.proposer.observe(s.seq, new, hidden)
+        s.hidden = hidden[-1]
+        return new, hidden
 
-        def narrow(bits: torch.Tensor, depth: int, constraint) -> None:
-            if depth >= start:
-                constraint.close(bits)
-        return narrow
-
-    def _share_apply(self, seqs: list[_Live], allowed) -> None:
-        """The target stage's masking time, shared by the step's constrained sequences."""
-        if allowed is not None:
-            n = sum(s.constraint is not None for s in seqs)
-            for s in seqs:
-                s.mask_s += self.target.mask_s / n if s.constraint is not None else 0.0
-
-    def _describe(self, seqs: list[_Live], sizes: list[int]) -> Callable[[int], str]:
-        """Names the request, node and constraint state of row r (for the empty-allowed-set error)."""
-        def describe(r: int) -> str:
-            o = 0
-            for s, n in zip(seqs, sizes):
-                if r < o + n:
-                    where = f"request {s.index}" + (f", draft node {r - o}" if n > 1 else "")
-                    return f"{where}: {s.constraint.describe() if s.constraint is not None else 'unconstrained'}"
-                o += n
-            return f"row {r}"
-        return describe
-
-    def _note_mask(self, s: _Live) -> None:
-        if s.constraint is not None:
-            s.gen.mask_ms.append(s.mask_s * 1e3)
-        s.mask_s = 0.0
-
-    def _emit(self, s: _Live, new: list[int], hidden: torch.Tensor, on_tokens) -> None:
+    def _emit(self, s: _Live, new: list[int], hidden: torch.Tensor) -> None:
         """Append committed tokens, stopping exactly where plain decoding would: at the first EOS,
         where the constraint is complete, at max_new_tokens or at the context end, even inside an
         accepted path."""
@@ -352,11 +253,11 @@ class Engine:
             n = len(gen.token_ids) + len(out)
             if tok in self.eos_ids:
                 gen.finish_reason, s.done = "eos", True
-            elif c is not None and self._advance(s, tok):
+            elif c is not None and self.masks.advance(s, tok):
                 gen.finish_reason, s.done = "constraint_complete", True
-                if n < self.max_new_tokens and s.prompt_len + n < limit:  # the one token it allows
-                    out.append(self._end_token(c))
-            elif n >= self.max_new_tokens:
+                if n < s.max_new_tokens and s.prompt_len + n < limit:  # the one token it allows
+                    out.append(self.masks.end_token(c))
+            elif n >= s.max_new_tokens:
                 gen.finish_reason, s.done = "length", True
             elif s.prompt_len + n >= limit:
                 gen.finish_reason, s.done = "context", True
@@ -367,40 +268,8 @@ class Engine:
         gen.token_ids += out
         gen.accepted_lengths.append(len(out))
         s.tokens += new
-        if on_tokens is not None and out:
-            on_tokens(s.index, out, hidden[:len(out)])
-
-
-    def _advance(self, s: _Live, tok: int) -> bool:
-        """Move the sequence's constraint past a committed token; True when it is then complete."""
-        t0 = time.perf_counter()
-        if not s.constraint.advance(tok):
-            raise RuntimeError(f"request {s.index}: token {tok} was committed but its constraint does not allow it "
-                               f"({s.constraint.describe()}): the target rows were not masked with its state")
-        complete = s.constraint.is_complete()
-        s.mask_s += time.perf_counter() - t0
-        return complete
-
-    def _end_token(self, c) -> int:
-        bits = torch.zeros(words(self.model.args.vocab_size), dtype=torch.int32)
-        c.fill(bits)
-        allowed = [e for e in sorted(self.eos_ids) if allows(bits, e)]
-        return allowed[0] if allowed else min(self.eos_ids)
-
-
-def check_prompts(prompts: list[list[int]], limit: int) -> None:
-    """Every prompt non-empty and shorter than the context, else a one-line error naming the request."""
-    for i, p in enumerate(prompts):
-        if not p:
-            raise UserError(f"request {i} has an empty prompt: give it some text")
-        if len(p) >= limit:
-            raise UserError(f"request {i}: prompt is {len(p)} tokens, the model's context is {limit}: "
-                            "shorten it or raise model.max_seq_len")
-
-
-def request_grammars(grammars: list | None, default, n: int) -> list:
-    """Each request's constraint: its own where given, else the runner's configured one."""
-    return [g or default for g in grammars] if grammars is not None else [default] * n
+        if self.on_tokens is not None and out:
+            self.on_tokens(s.index, out, hidden[:len(out)])
 
 
 def _contexts(live: list[_Live], trees: list[Tree]) -> list[list[int]]:

@@ -134,6 +134,7 @@ class Grammar(ABC):
     sequence. `kind` names it in results; `text` is what `add_to_prompt` shows the model."""
     kind: str = "constraint"
     add_to_prompt: bool = False
+    close_margin: int = 0  # the last tokens of max_new_tokens in which rows shrink to `Constraint.close`
 
     @abstractmethod
     def start(self) -> Constraint:

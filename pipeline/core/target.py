@@ -100,8 +100,13 @@ def _allows(bits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 class TargetStage:
     """logits (R, V) -> Target, through the sampler's processors and the rows' constraint masks."""
 
-    def __init__(self, processors: list | None = None, greedy: bool = False):
-        self.processors, self.greedy = list(processors or []), greedy
+    def __init__(self, processors: list | None = None, greedy: bool = False, empty_rows: str = "error"):
+        """empty_rows: what a row with no allowed token is: "error" (a constraint that cannot be
+        continued, the engine's case) or "allowed" (it scores -inf everywhere: beam search's beams
+        that left their language)."""
+        if empty_rows not in ("error", "allowed"):
+            raise ValueError(f"empty_rows must be 'error' or 'allowed', got {empty_rows!r}")
+        self.processors, self.greedy, self.empty_rows = list(processors or []), greedy, empty_rows
         self.needs_input_ids = any(getattr(p, "needs_input_ids", False) for p in self.processors)
         self.mask_s = 0.0  # time the last call spent applying `allowed`
 
@@ -118,8 +123,10 @@ class TargetStage:
         self.mask_s = 0.0
         if allowed is not None:
             t0 = time.perf_counter()
-            empty = ~allowed.numpy().any(-1) if allowed.device.type == "cpu" else ~(allowed != 0).any(-1).cpu().numpy()
-            if empty.any():
+            empty = None
+            if self.empty_rows == "error":
+                empty = ~allowed.numpy().any(-1) if allowed.device.type == "cpu" else ~(allowed != 0).any(-1).cpu().numpy()
+            if empty is not None and empty.any():
                 r = int(empty.nonzero()[0][0])
                 raise UserError(f"no token is allowed at {describe(r) if describe else f'row {r}'}: "
                                 "the constraint cannot be continued; check it against the prompt")

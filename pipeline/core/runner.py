@@ -1,0 +1,205 @@
+"""The admission loop every runner shares (the engine's step loop, beam search), in the style of
+vLLM v1's engine core: `add(request) -> handle`, `abort(handle)`, `step()`.
+
+A request waits in the queue until a step has room for it (fewer than `batch_size` live), joins at
+the start of that step (its prompt prefilled with the others that join), and leaves as soon as it
+is done or aborted, with its KV memory back in the pool. `run()` is the batch form on top: every
+prompt added, steps until nothing is left, and on any exception (a failure, Ctrl-C) every live
+request's memory returned first. A runner says what it is through two class attributes, which is
+what configs are checked against before anything is built: `speculates` (it takes a proposer) and
+`plain` (its output is plain decoding's: the baseline of a sweep or a benchmark).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from pipeline.core.errors import UserError
+from pipeline.core.types import Generation
+
+
+@dataclass
+class Request:
+    """One request as a runner takes it."""
+    prompt: list[int]  # token ids, chat template applied
+    seed: int  # its own generator's seed: tokens never depend on what runs beside it
+    grammar: object = None  # its constraint (a Grammar); None: the runner's configured one
+    max_new_tokens: int | None = None  # None: the runner's
+
+
+def check_positive(**values) -> None:
+    """Each value a positive int (not a bool), else a one-line error naming it."""
+    for name, v in values.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise UserError(f"{name} must be a positive int, got {v!r}")
+
+
+def check_prompt(index: int, prompt: list[int], limit: int) -> None:
+    """A prompt non-empty and shorter than the context, else a one-line error naming the request."""
+    if not prompt:
+        raise UserError(f"request {index} has an empty prompt: give it some text")
+    if len(prompt) >= limit:
+        raise UserError(f"request {index}: prompt is {len(prompt)} tokens, the model's context is {limit}: "
+                        "shorten it or raise model.max_seq_len")
+
+
+class Runner(ABC):
+    """Requests in, Generations out, `batch_size` live at a time. Subclasses implement `_join`
+    (prefill the joining requests and return their live state), `_step` (one step over the live
+    ones), `_release` (return one's memory) and `_finish` (its Generation); the live state of a
+    request is any object with `index` and `done`."""
+    speculates = False  # takes a proposer (tree speculation)
+    plain = False  # with no proposer its tokens are plain decoding's
+
+    def __init__(self, model, kv, sampler, eos_ids: list[int], max_new_tokens: int, seed: int = 0,
+                 batch_size: int = 1, constraint=None):
+        check_positive(max_new_tokens=max_new_tokens, batch_size=batch_size)
+        self.model, self.kv, self.sampler = model, kv, sampler
+        self.eos_ids, self.max_new_tokens = set(eos_ids), max_new_tokens
+        self.seed, self.batch_size = seed, batch_size
+        self.constraint = constraint  # the Grammar every request follows unless it brings its own
+        self.on_tokens: Callable | None = None  # on_tokens(handle, ids, hidden): committed tokens, as they come
+        self._queue: deque[tuple[int, Request]] = deque()
+        self._live: list = []
+        self._next = 0
+
+    # --- the engine-core API ---------------------------------------------------------------------
+    def add(self, request: Request) -> int:
+        """Queue a request; it joins at the next step with room. Returns its handle."""
+        check_prompt(self._next, request.prompt, self.model.args.max_seq_len)
+        if request.max_new_tokens is not None:
+            check_positive(max_new_tokens=request.max_new_tokens)
+        handle, self._next = self._next, self._next + 1
+        self._queue.append((handle, request))
+        return handle
+
+    def abort(self, handle: int) -> bool:
+        """Drop a request, queued or live, at once (its memory back in the pool). False if unknown."""
+        for item in self._queue:
+            if item[0] == handle:
+                self._queue.remove(item)
+                return True
+        for s in self._live:
+            if s.index == handle:
+                self._live.remove(s)
+                self._release(s)
+                return True
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._queue or self._live)
+
+    @property
+    def live(self) -> int:
+        return len(self._live)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def step(self) -> list[tuple[int, Generation]]:
+        """Admit what fits, run one step over the live requests, and return the (handle, Generation)
+        of each request that finished in it (its memory already back in the pool)."""
+        joining = []
+        while self._queue and len(self._live) + len(joining) < self.batch_size:
+            joining.append(self._queue.popleft())
+        if joining:
+            self._join(joining)
+        if any(not s.done for s in self._live):
+            self._step([s for s in self._live if not s.done])
+        finished = []
+        for s in [s for s in self._live if s.done]:
+            self._live.remove(s)
+            self._release(s)
+            finished.append((s.index, self._finish(s)))
+        return finished
+
+    def abort_all(self) -> None:
+        """Every request gone, its memory back in the pool."""
+        self._queue.clear()
+        while self._live:
+            self._release(self._live.pop())
+
+    # --- the batch form ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, prompts: list[list[int]], seeds: list[int] | None = None,
+            on_tokens: Callable[[int, list[int], torch.Tensor | None], None] | None = None,
+            on_finish: Callable[[int, Generation], None] | None = None,
+            grammars: list | None = None, max_new_tokens: int | None = None) -> list[Generation]:
+        """Decode every prompt. on_tokens(i, ids, hidden): request i committed `ids`; on_finish(i,
+        generation) as soon as request i is done. grammars[i]: request i's own constraint (None: the
+        runner's); seeds default to seed + i."""
+        if self.has_work:
+            raise RuntimeError("run() needs an idle runner: it numbers its requests from 0")
+        self._next = 0
+        for i, p in enumerate(prompts):
+            check_prompt(i, p, self.model.args.max_seq_len)
+        seeds = [self.seed + i for i in range(len(prompts))] if seeds is None else list(seeds)
+        grammars = [None] * len(prompts) if grammars is None else list(grammars)
+        self.on_tokens = on_tokens
+        self._start_run()
+        out: list[Generation | None] = [None] * len(prompts)
+        try:
+            for p, s, g in zip(prompts, seeds, grammars):
+                self.add(Request(list(p), s, g, max_new_tokens))
+            while self.has_work:
+                for i, gen in self.step():
+                    out[i] = gen
+                    if on_finish is not None:
+                        on_finish(i, gen)
+        finally:
+            self.abort_all()
+            self.on_tokens = None
+        return out
+
+    def generate(self, prompt_ids: list[int], on_tokens: Callable[[list[int]], None] | None = None,
+                 seed: int | None = None, grammar=None) -> Generation:
+        """One request on its own."""
+        cb = None if on_tokens is None else (lambda i, ids, hidden: on_tokens(ids))
+        return self.run([prompt_ids], [self.seed if seed is None else seed], on_tokens=cb, grammars=[grammar])[0]
+
+    @property
+    def drafting(self) -> bool:
+        """Whether steps may verify drafted trees (what a lossless guarantee has to cover)."""
+        return False
+
+    @property
+    def drafter(self):
+        """The proposer, also one that decided never to draft (for what it reports); None if none."""
+        return None
+
+    def describe(self) -> dict:
+        """What the run reports about its runner's components (results.json's summary)."""
+        return {"kv": self.kv.stats()}
+
+    # --- what a runner implements ---------------------------------------------------------------
+    def _start_run(self) -> None:
+        """Called once at the start of run()."""
+
+    def _grammar(self, request: Request):
+        return request.grammar or self.constraint
+
+    def _budget_of(self, request: Request) -> int:
+        return self.max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
+
+    @abstractmethod
+    def _join(self, joining: list[tuple[int, Request]]) -> None:
+        """Prefill the joining requests and append their live state to self._live (as soon as their
+        sequences exist, so a failure releases them with the rest)."""
+
+    @abstractmethod
+    def _step(self, live: list) -> None:
+        """One step over the live requests that are not done."""
+
+    @abstractmethod
+    def _release(self, s) -> None:
+        """Return a live request's memory."""
+
+    @abstractmethod
+    def _finish(self, s) -> Generation:
+        """The Generation of a request that is done (its memory is already released)."""
