@@ -93,10 +93,15 @@ def instantiate_option(group, option, cfg, backbone, heads_ckpt, tmp_path):
     if group == "decode":  # a global preset: it picks the components, the decoder assembles them
         assert cfg.name == option, f"conf/decode/{option}.yaml must set name: {option} (results.json's decode)"
         decoder, _ = build_engine(with_tiny_context(cfg, heads_ckpt), backbone)
-        assert isinstance(decoder, BeamSearch if cfg.get("num_beams") is not None else Engine)
-        if decoder.proposer is not None:  # a speculative preset must be runnable as configured
+        assert type(decoder) is (BeamSearch if option == "beam" else Engine)
+        if decoder.drafter is not None:  # a speculative preset must be runnable as configured
             assert decoder.verifier is not None and decoder.sampler.greedy
         return decoder
+    if group == "runner":  # the runner under the default preset's components
+        runner, _ = build_engine(with_tiny_context(cfg, heads_ckpt), backbone)
+        assert type(runner) is {"engine": Engine, "beam": BeamSearch}[option]
+        assert runner.run([[1, 2, 3]], max_new_tokens=2)[0].token_ids
+        return runner
     if group == "model":
         bb = component(cfg.model)
         assert bb.model.args.vocab_size >= len(bb.tokenizer)
