@@ -18,6 +18,9 @@ hands it its sequence, one kept by several is forked (with `kv=paged`, forks sha
 block: the prompt is stored once), a parent no child keeps is freed. Constraint states fork with
 their beams. The arithmetic (float32 tensors, torch.topk on the flattened candidates, the -1e9
 sentinels) mirrors transformers' so that hypotheses and scores come out the same.
+
+One module for both searches (plain and diverse, ~380 lines): they share the request state, the
+hypothesis pool and the reordering of beams over the KV pool, and are read against transformers'.
 """
 from __future__ import annotations
 
@@ -238,20 +241,7 @@ class BeamSearch(Runner):
                 for j in rows:
                     parents[j], tokens[j], new_scores[j] = g * size, pad, 0.0
             else:
-                slot = 0
-                for rank, (t, sc, i) in enumerate(zip(tok, top_scores.tolist(), idx)):
-                    parent = 0 if r.first else g * size + i
-                    if t in self.eos_ids:
-                        if rank >= size:
-                            continue
-                        self._add_hyp(r, g, r.beams[parent].tokens + [t], sc, cur_len - len(r.prompt), size)
-                    else:
-                        j = g * size + slot
-                        parents[j], tokens[j], new_scores[j] = parent, t, top_scores[rank]
-                        slot += 1
-                    if slot == size:
-                        break
-                r.group_done[g] = r.group_done[g] or self._group_is_done(r, g, float(top_scores.max()), cur_len, size)
+                self._group_select(r, g, size, cur_len, tok, top_scores, idx, (parents, tokens, new_scores))
             current[rows] = torch.tensor(tokens[g * size:(g + 1) * size])
         r.running = new_scores
         self._reorder(r, [p if not r.first else 0 for p in parents], tokens)
@@ -259,19 +249,44 @@ class BeamSearch(Runner):
         r.cur_len += 1
         r.gen.accepted_lengths.append(1)
         if all(r.group_done) or r.cur_len >= r.max_length:
-            for g in range(groups):  # running beams of unfinished groups join their lists
-                if not r.group_done[g]:
-                    for j in range(g * size, (g + 1) * size):
-                        self._add_hyp(r, g, list(r.beams[j].tokens), float(r.running[j]),
-                                      r.cur_len - len(r.prompt), size)
-            hyps = [h for g in range(groups) for h in r.group_hyps[g]]
-            ranked = sorted(hyps, key=lambda h: h[0])  # stable, best popped last, as transformers does
-            best = [ranked.pop() for _ in range(min(n, len(ranked)))]
-            r.fin_tokens = [t for _, t in best]
-            r.fin_scores = torch.tensor([s for s, _ in best], dtype=torch.float32)
-            r.fin_done = torch.ones(len(best), dtype=torch.bool)
-            r.done = True
+            self._close_groups(r, size)
         self._note_kv(r)
+
+    def _group_select(self, r: _Request, g: int, size: int, cur_len: int, tok: list[int], top_scores: torch.Tensor,
+                      idx: list[int], out: tuple[list[int], list[int], torch.Tensor]) -> None:
+        """Group g's next beams from its ranked candidates (transformers 4.x BeamSearchScorer.process):
+        an EOS among the first `size` becomes a hypothesis, the others fill the group's beams in order;
+        out = (parents, tokens, new_scores) over all beams, filled for this group's slots."""
+        parents, tokens, new_scores = out
+        slot = 0
+        for rank, (t, sc, i) in enumerate(zip(tok, top_scores.tolist(), idx)):
+            parent = 0 if r.first else g * size + i
+            if t in self.eos_ids:
+                if rank >= size:
+                    continue
+                self._add_hyp(r, g, r.beams[parent].tokens + [t], sc, cur_len - len(r.prompt), size)
+            else:
+                j = g * size + slot
+                parents[j], tokens[j], new_scores[j] = parent, t, top_scores[rank]
+                slot += 1
+            if slot == size:
+                break
+        r.group_done[g] = r.group_done[g] or self._group_is_done(r, g, float(top_scores.max()), cur_len, size)
+
+    def _close_groups(self, r: _Request, size: int) -> None:
+        """The end of a diverse search: running beams of unfinished groups join their lists, and the
+        best num_beams hypotheses over all groups are the request's."""
+        for g in range(self.num_beam_groups):
+            if not r.group_done[g]:
+                for j in range(g * size, (g + 1) * size):
+                    self._add_hyp(r, g, list(r.beams[j].tokens), float(r.running[j]), r.cur_len - len(r.prompt), size)
+        hyps = [h for g in range(self.num_beam_groups) for h in r.group_hyps[g]]
+        ranked = sorted(hyps, key=lambda h: h[0])  # stable, best popped last, as transformers does
+        best = [ranked.pop() for _ in range(min(self.num_beams, len(ranked)))]
+        r.fin_tokens = [t for _, t in best]
+        r.fin_scores = torch.tensor([s for s, _ in best], dtype=torch.float32)
+        r.fin_done = torch.ones(len(best), dtype=torch.bool)
+        r.done = True
 
     def _note_kv(self, r: _Request) -> None:
         """The pool's bytes in use while r runs, and what a copy of the prefix per beam would hold."""
