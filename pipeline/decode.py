@@ -11,7 +11,6 @@ import copy
 import hashlib
 import json
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -19,79 +18,19 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.build import build_engine, check_constraint, check_paths, constraint_node, positive_int
+from pipeline.build import build_engine, check_constraint, check_paths, component, constraint_node, positive_int
+from pipeline.cli import CONF_DIR, compose_config, groups
 from pipeline.core import Engine, Generation, UserError
 from pipeline.errors import Interrupted
 from pipeline.io import append_jsonl, run_dir, write_json
+from pipeline.metrics import first_divergence, gen_fields, summarize
+from pipeline.report import run_pictures
 from pipeline.requests import encode, load_requests
 from pipeline.streaming import StreamPrinter
-
-
-def depth_acceptance(items: list[dict]) -> dict[str, float]:
-    """Fraction of tree steps reaching depth d among steps whose tree had a draft at depth d."""
-    hit, tried = {}, {}
-    for it in items:
-        for acc, depth in zip(it["accepted_lengths"][1:], it["tree_depths"]):
-            for d in range(1, depth + 1):
-                tried[d] = tried.get(d, 0) + 1
-                hit[d] = hit.get(d, 0) + (acc - 1 >= d)
-    return {str(d): hit[d] / tried[d] for d in sorted(tried)}
-
-
-def step_latency(items: list[dict]) -> dict[str, float | None]:
-    pairs = [(ms, n) for it in items for ms, n in zip(it["step_ms"], it["step_nodes"])]
-    tree = [ms for ms, n in pairs if n > 1]
-    plain = [ms for ms, n in pairs if n == 1]
-    nodes = [n for _, n in pairs if n > 1]
-    return {"tree_step_ms": statistics.mean(tree) if tree else None,
-            "plain_step_ms": statistics.mean(plain) if plain else None,
-            "mean_tree_nodes": statistics.mean(nodes) if nodes else None,
-            "tree_steps": len(tree), "plain_steps": len(plain)}
-
-
-def constraint_stats(items: list[dict]) -> dict:
-    """For constrained requests: how many ended complete, drafts pruned for leaving the language, and
-    the constraint's cost per committed token (masks, tree walks, advances, applying the mask), the
-    median over steps."""
-    cons = [it for it in items if it.get("constraint")]
-    if not cons:
-        return {}
-    per_token = [ms * 1e3 / n for it in cons for ms, n in zip(it["mask_ms"], it["accepted_lengths"]) if n]
-    return {"constrained_requests": len(cons),
-            "constraint_complete": sum(bool(it["constraint_complete"]) for it in cons),
-            "pruned_drafts": sum(it["pruned_drafts"] for it in cons),
-            "mask_us_per_token": statistics.median(per_token) if per_token else None}
-
-
-def summarize(items: list[dict], wall_s: float) -> dict:
-    """items: result items (or `gen_fields` of Generations). Step latencies are per request-step:
-    with batching, one step is shared by every sequence in it."""
-    new = sum(len(it["token_ids"]) for it in items)
-    steps = sum(len(it["accepted_lengths"]) for it in items)
-    return {"requests": len(items), "new_tokens": new, "wall_s": round(wall_s, 4),
-            "tokens_per_s": new / wall_s if wall_s > 0 else 0.0, "steps": steps,
-            "mean_accepted_length": new / steps if steps else 0.0,
-            "acceptance_by_depth": depth_acceptance(items), **step_latency(items), **constraint_stats(items)}
-
-
-def gen_fields(g: Generation) -> dict:
-    out = {"token_ids": g.token_ids, "new_tokens": len(g.token_ids), "wall_s": round(g.wall_s, 4),
-           "steps": g.steps, "accepted_lengths": g.accepted_lengths, "finish_reason": g.finish_reason,
-           "prefill_ms": round(g.prefill_ms, 2), "mean_step_ms": statistics.mean(g.step_ms) if g.step_ms else None,
-           "step_ms": [round(ms, 3) for ms in g.step_ms], "step_nodes": g.step_nodes, "tree_depths": g.tree_depths}
-    if g.constraint is not None:
-        out.update(constraint=g.constraint, constraint_complete=g.constraint_complete, pruned_drafts=g.pruned_drafts,
-                   mask_ms=[round(ms, 4) for ms in g.mask_ms])
-    return out
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+from pipeline.tracking import log_decode
 
 
 def run_requests(engine: Engine, prompts: list[list[int]], seeds: list[int] | None = None,
@@ -106,7 +45,6 @@ def preset_name(cfg: DictConfig) -> str:
     components that differ (`greedy proposer=ngram verifier=greedy`): a run whose proposer,
     verifier or sampler was picked by hand is never reported, or taken by a sweep, as a preset it
     is not."""
-    from pipeline.cli import compose_config, groups
     name = cfg.get("name") or "custom"
     if name not in groups()["decode"]:
         return "custom"
@@ -129,14 +67,12 @@ def component_choice(group: str, node) -> str:
     if node is None:
         return "null"
     try:
-        from hydra.core.hydra_config import HydraConfig
+        from hydra.core.hydra_config import HydraConfig  # Hydra's runtime: set only inside an app
         choice = HydraConfig.get().runtime.choices.get(group)
         if choice:
             return str(choice)
     except ValueError:
         pass
-    from pipeline.cli import CONF_DIR
-    import yaml
     for f in sorted((CONF_DIR / group).glob("*.yaml")):
         if _pick(OmegaConf.create(yaml.safe_load(f.read_text()) or {})) == _pick(node):
             return f.stem
@@ -320,8 +256,7 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
         if fresh or not interrupted:  # an interrupted run that finished nothing leaves what is there alone
             write_json(path, results)
             if cfg.get("logger") is not None:
-                from pipeline.tracking import log_decode
-                log_decode(cfg, results, out)
+                log_decode(cfg, results, out, run_pictures(out, results))
     if interrupted:
         raise Interrupted(f"interrupted: {len(items)} of {len(reqs)} requests finished"
                           f"{f', kept in {items_path}' if items else ''}; rerun with hydra.run.dir={out} to resume")
@@ -348,7 +283,6 @@ def request_constraints(cfg: DictConfig, reqs) -> dict[int, DictConfig | None]:
 def build_grammars(backbone, nodes: dict, todo: list[int], made: dict | None = None) -> dict:
     """Compiled grammars per request: one object per distinct constraint node (`made` caches them
     by node across calls)."""
-    from pipeline.build import component
     made = {} if made is None else made
     out = {}
     for k in todo:

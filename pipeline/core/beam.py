@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from pipeline.core.constrain import unpack, words
+from pipeline.core.bits import unpack, words
 from pipeline.core.engine import check_prompts, request_grammars
 from pipeline.core.errors import UserError
 from pipeline.core.target import TargetStage
