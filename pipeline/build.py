@@ -11,7 +11,9 @@ from pathlib import Path
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.cli import CONF_DIR
 from pipeline.core import BeamSearch, Engine, UserError
+from pipeline.core.guard import SpeculationGuard
 
 
 def component(node: DictConfig | None, backbone=None, **kwargs):
@@ -51,7 +53,6 @@ def constraint_node(cfg: DictConfig, request: dict | None = None) -> DictConfig 
     """The config node of a constraint: the configured one (`constraint=`), or for a request line that
     brings its own (`"json_schema"`, `"regex"`, `"grammar"`) the node of that kind, with the
     configured node's options when it is of the same kind (and its add_to_prompt in any case)."""
-    from pipeline.cli import CONF_DIR
     configured = cfg.get("constraint")
     configured = configured if configured and configured.get("_target_") else None
     if not request:
@@ -126,7 +127,6 @@ def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -
     proposer = component(cfg.get("proposer"), backbone)
     guard = None
     if proposer is not None and cfg.get("speculation_guard", True):
-        from pipeline.core.guard import SpeculationGuard
         try:
             guard = SpeculationGuard(**dict(cfg.get("guard") or {}))
         except (TypeError, ValueError) as e:
