@@ -6,7 +6,9 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from pipeline import threads
 from pipeline.cli import CONF_DIR, check_overrides, quote_free_text
+from pipeline.decode import decode
 from pipeline.errors import one_line_errors
 
 
@@ -14,8 +16,6 @@ from pipeline.errors import one_line_errors
 @one_line_errors
 def main(cfg: DictConfig) -> float:
     """Returns the run's tokens/s: what a search sweeper (sweep=tree_search) maximises."""
-    from pipeline import threads
-    from pipeline.decode import decode
     threads.configure(cfg)
     metrics, _ = decode(cfg)
     s = metrics

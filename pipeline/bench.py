@@ -28,14 +28,17 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from components.model.load import smollm2_gguf
+from pipeline import llama_cpp_peer, threads, vllm_peer
 from pipeline.build import build_engine, component, model_key, needs_invariance, positive_int, step_rows
 from pipeline.cli import CONF_DIR, check_overrides, compose_config, groups
-from pipeline.decode import first_divergence, gen_fields, run_requests, summarize
+from pipeline.decode import build_grammars, request_constraints, run_requests
 from pipeline.errors import UserError, one_line_errors
 from pipeline.hf_peer import GENERATE_KNOBS, PEERS, HFPeer, to_hf
-from pipeline import llama_cpp_peer, vllm_peer
 from pipeline.io import run_dir, write_json
+from pipeline.metrics import first_divergence, gen_fields, summarize
 from pipeline.requests import encode, load_requests
+from pipeline.tracking import log_bench
 
 DEFAULT_INPUT = Path(__file__).resolve().parent / "prompts" / "bench.jsonl"
 # peers in other programs, optional installs: name -> their module (available(), INSTALL_HINT)
@@ -124,7 +127,7 @@ def compose(entry: Entry, common: list[str]) -> DictConfig:
 
 
 def cli_overrides() -> list[str]:
-    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.hydra_config import HydraConfig  # Hydra's runtime: set only inside an app
     try:
         return list(HydraConfig.get().overrides.task)
     except ValueError:  # not inside a Hydra app
@@ -172,7 +175,6 @@ def bench(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[dict, di
               "command": " ".join(["python -m pipeline.bench", *map(shlex.quote, given)])}
     path = write_json(run_dir(cfg) / "bench.json", result)
     if cfg.get("logger") is not None:
-        from pipeline.tracking import log_bench
         log_bench(cfg, result, run_dir(cfg))
     return {**result, "bench_path": str(path)}, {"pipelines": pipes, "backbones": backbones}
 
@@ -195,7 +197,6 @@ def build_pipelines(entries: list[Entry], common: list[str], reqs, out_dir: Path
             backbones[key] = component(pcfg.model, invariant=invariant[key], step_rows=rows[key])
         bb = backbones[key]
         if e.name == "llama_cpp":
-            from components.model.load import smollm2_gguf
             path = Path(pcfg.model.path).expanduser() if pcfg.model.get("path") else smollm2_gguf()
             runner = llama_cpp_peer.LlamaCppPeer(path, bb.eos_ids, positive_int(pcfg, "max_new_tokens"),
                                                  n_ctx=min(bb.model.args.max_seq_len, 4096),
@@ -234,7 +235,6 @@ class Constrained:
     configured one to the others: `run(prompts, seeds)` over the first len(prompts) requests."""
 
     def __init__(self, engine, cfg: DictConfig, backbone, reqs):
-        from pipeline.decode import build_grammars, request_constraints
         self.engine = engine
         nodes = request_constraints(cfg, reqs)
         grammars = build_grammars(backbone, nodes, list(range(len(reqs))))
@@ -310,7 +310,6 @@ def markdown_table(result: dict) -> str:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="bench")
 @one_line_errors
 def main(cfg: DictConfig) -> dict:
-    from pipeline import threads
     threads.configure(cfg)
     result, _ = bench(cfg)
     print(markdown_table(result), flush=True)

@@ -7,7 +7,6 @@ directory skips the ids already there. Ctrl-C or SIGTERM stops cleanly: what fin
 """
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -22,75 +21,12 @@ from pipeline.core import Engine, Generation, UserError
 from pipeline.core.runner import check_prompt
 from pipeline.errors import Interrupted
 from pipeline.io import append_jsonl, run_dir, write_json
+from pipeline.metrics import first_divergence, gen_fields, summarize
+from pipeline.report import run_pictures
 from pipeline.requests import encode, load_requests
 from pipeline.resume import Signals, load_items, request_key
 from pipeline.streaming import StreamPrinter
 from pipeline.tracking import log_decode
-
-
-def depth_acceptance(items: list[dict]) -> dict[str, float]:
-    """Fraction of tree steps reaching depth d among steps whose tree had a draft at depth d."""
-    hit, tried = {}, {}
-    for it in items:
-        for acc, depth in zip(it["accepted_lengths"][1:], it["tree_depths"]):
-            for d in range(1, depth + 1):
-                tried[d] = tried.get(d, 0) + 1
-                hit[d] = hit.get(d, 0) + (acc - 1 >= d)
-    return {str(d): hit[d] / tried[d] for d in sorted(tried)}
-
-
-def step_latency(items: list[dict]) -> dict[str, float | None]:
-    pairs = [(ms, n) for it in items for ms, n in zip(it["step_ms"], it["step_nodes"])]
-    tree = [ms for ms, n in pairs if n > 1]
-    plain = [ms for ms, n in pairs if n == 1]
-    nodes = [n for _, n in pairs if n > 1]
-    return {"tree_step_ms": statistics.mean(tree) if tree else None,
-            "plain_step_ms": statistics.mean(plain) if plain else None,
-            "mean_tree_nodes": statistics.mean(nodes) if nodes else None,
-            "tree_steps": len(tree), "plain_steps": len(plain)}
-
-
-def constraint_stats(items: list[dict]) -> dict:
-    """For constrained requests: how many ended complete, drafts pruned for leaving the language, and
-    the constraint's cost per committed token (masks, tree walks, advances, applying the mask), the
-    median over steps."""
-    cons = [it for it in items if it.get("constraint")]
-    if not cons:
-        return {}
-    per_token = [ms * 1e3 / n for it in cons for ms, n in zip(it["mask_ms"], it["accepted_lengths"]) if n]
-    return {"constrained_requests": len(cons),
-            "constraint_complete": sum(bool(it["constraint_complete"]) for it in cons),
-            "pruned_drafts": sum(it["pruned_drafts"] for it in cons),
-            "mask_us_per_token": statistics.median(per_token) if per_token else None}
-
-
-def summarize(items: list[dict], wall_s: float) -> dict:
-    """items: result items (or `gen_fields` of Generations). Step latencies are per request-step:
-    with batching, one step is shared by every sequence in it."""
-    new = sum(len(it["token_ids"]) for it in items)
-    steps = sum(len(it["accepted_lengths"]) for it in items)
-    return {"requests": len(items), "new_tokens": new, "wall_s": round(wall_s, 4),
-            "tokens_per_s": new / wall_s if wall_s > 0 else 0.0, "steps": steps,
-            "mean_accepted_length": new / steps if steps else 0.0,
-            "acceptance_by_depth": depth_acceptance(items), **step_latency(items), **constraint_stats(items)}
-
-
-def gen_fields(g: Generation) -> dict:
-    out = {"token_ids": g.token_ids, "new_tokens": len(g.token_ids), "wall_s": round(g.wall_s, 4),
-           "steps": g.steps, "accepted_lengths": g.accepted_lengths, "finish_reason": g.finish_reason,
-           "prefill_ms": round(g.prefill_ms, 2), "mean_step_ms": statistics.mean(g.step_ms) if g.step_ms else None,
-           "step_ms": [round(ms, 3) for ms in g.step_ms], "step_nodes": g.step_nodes, "tree_depths": g.tree_depths}
-    if g.constraint is not None:
-        out.update(constraint=g.constraint, constraint_complete=g.constraint_complete, pruned_drafts=g.pruned_drafts,
-                   mask_ms=[round(ms, 4) for ms in g.mask_ms])
-    return out
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def run_requests(engine: Engine, prompts: list[list[int]], seeds: list[int] | None = None,
@@ -260,7 +196,7 @@ def write(run: _Run, fresh: dict[str, dict], wall: float, interrupted: bool) -> 
     if fresh or not interrupted:  # an interrupted run that finished nothing leaves what is there alone
         write_json(run.out / "results.json", results)
         if cfg.get("logger") is not None:
-            log_decode(cfg, results, run.out)
+            log_decode(cfg, results, run.out, run_pictures(run.out, results))
     return results, interrupted
 
 

@@ -21,6 +21,8 @@ import torch
 from safetensors.torch import save_file
 
 from components.heads.medusa import MedusaHeads
+from components.model.load import from_pretrained
+from pipeline.build import component
 from pipeline.errors import UserError, one_line_errors
 
 
@@ -35,14 +37,12 @@ def backbone_for(checkpoint: Path, model_path: str | None):
     """The backbone the heads were trained on, in float32 (the exported LM head rows are exact):
     `model_path` when given, else the `model` config the training run stored beside the heads
     (train_config.yaml: the tiny model, a local checkpoint), else the default model."""
-    from components.model.load import from_pretrained
     if model_path:
         return from_pretrained(model_path, dtype="float32")
     stored = checkpoint.parent / "train_config.yaml"
     if stored.is_file():
         from omegaconf import OmegaConf
 
-        from pipeline.build import component
         model_cfg = OmegaConf.load(stored).get("model")
         if model_cfg is not None:
             if "dtype" in model_cfg:

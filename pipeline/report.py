@@ -23,8 +23,10 @@ import json
 import sys
 from pathlib import Path
 
+from pipeline import sweep
 from pipeline.core.io import atomic_write
 from pipeline.errors import UserError, one_line_errors
+from pipeline.metrics import depth_acceptance
 
 GREEN, GREY, BLUE, EDGE = "#3aa655", "#d9d9d9", "#4a7fd1", "#9a9a9a"
 
@@ -67,7 +69,7 @@ def _save(fig, path: Path, svg: bool = True) -> list[Path]:
 
 
 def draw_tree(tree: dict, title: str, path: Path) -> list[Path]:
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib is heavy: loaded only to draw
     parents, texts, accepted = tree["parents"], tree["texts"], set(tree["path"])
     depth, y = layout(parents)
     width, height = max(depth) + 1, max(y) + 1
@@ -101,7 +103,8 @@ def token_steps(item: dict) -> list[int]:
 
 def draw_strip(item: dict, path: Path, max_tokens: int = 400, columns: int = 140) -> list[Path]:
     """The text as committed, token by token, shaded by the accepted length of the token's step."""
-    from matplotlib import colormaps
+    from matplotlib import colormaps  # matplotlib is heavy: loaded only to draw
+    from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
     texts = item.get("token_texts") or [str(t) for t in item["token_ids"]]
@@ -128,7 +131,6 @@ def draw_strip(item: dict, path: Path, max_tokens: int = 400, columns: int = 140
     ax.set_xlim(-0.5, columns + 0.5)
     ax.set_ylim(lines - 0.5, -0.5)
     ax.axis("off")
-    from matplotlib.cm import ScalarMappable
     fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, orientation="horizontal", fraction=0.04,
                  pad=0.02, label="tokens committed by the step (| = a step begins)")
     shown = f" (first {max_tokens} tokens)" if len(texts) > max_tokens else ""
@@ -137,13 +139,12 @@ def draw_strip(item: dict, path: Path, max_tokens: int = 400, columns: int = 140
 
 
 def _rect(x, line, w, color):
-    from matplotlib.patches import Rectangle
+    from matplotlib.patches import Rectangle  # matplotlib is heavy: loaded only to draw
     return Rectangle((x, line - 0.42), w, 0.84, fc=color, ec="white", lw=0.4)
 
 
 def draw_acceptance(results: dict, path: Path) -> list[Path]:
-    from matplotlib.figure import Figure
-    from pipeline.decode import depth_acceptance
+    from matplotlib.figure import Figure  # matplotlib is heavy: loaded only to draw
     items = results["items"]
     by_depth = depth_acceptance(items)
     lengths = [n for it in items for n in it["accepted_lengths"][1:]]
@@ -206,8 +207,12 @@ def draw_run(run: Path, results: dict | None = None, requests: list[str] | None 
     return made
 
 
+def run_pictures(run: Path, results: dict) -> list[Path]:
+    """What a logger shows of a decode run: `draw_run`'s pictures when it recorded trees, else none."""
+    return draw_run(run, results) if any(it.get("trees") for it in results["items"]) else []
+
+
 def report(path: Path, requests=None, steps=None, install: bool = False) -> list[Path]:
-    from pipeline import sweep
     if not path.is_dir():
         raise UserError(f"{path} is not a directory: pass a run directory or a multirun directory")
     if (path / "results.json").is_file():

@@ -17,6 +17,7 @@ writes the same files again for a finished sweep.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import os
@@ -28,6 +29,8 @@ import yaml
 from hydra.experimental.callback import Callback
 
 from pipeline.build import is_plain  # noqa: F401  (the sweepers' test of a job: one definition of a plain run)
+from pipeline.io import atomic_write, write_json
+from pipeline.tracking import log_sweep
 
 METRICS = ("tokens_per_s", "speedup", "mean_accepted_length", "tree_step_ms", "plain_step_ms")
 # overrides of speculative settings (and of what only names or records a run): a plain job that
@@ -65,7 +68,6 @@ def job_dir(num, overrides) -> str:
     """A job's directory name: its number, then its overrides, readable (`3-tree.depth=2,tree.width=1`);
     the seed, and the sweep config's own selection, left out; '/' in values becomes '_'; long names
     are cut, with a hash of the whole."""
-    import hashlib
     items = [str(o) for o in (overrides or []) if _key(str(o)) not in ("seed", "sweep")]
     name = ",".join(items).replace("\\", "").replace("/", "_").replace(" ", "_") or "defaults"
     if len(name) > 150:
@@ -124,13 +126,6 @@ def _fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
-def atomic_write(path, data):
-    """pipeline.core.io.atomic_write, imported when used: Hydra imports this module (through
-    hydra_plugins/decode_sweepers) in every app it starts, and pipeline.core brings torch."""
-    from pipeline.core.io import atomic_write as write
-    return write(path, data)
-
-
 def to_csv(columns: list[str], table: list[dict]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
@@ -153,7 +148,7 @@ def _num(v: str):
 
 
 def plot(table: list[dict], path: Path) -> None:
-    from matplotlib.figure import Figure  # no pyplot: no global backend, renders with Agg
+    from matplotlib.figure import Figure  # heavy, loaded to draw; no pyplot: no global backend, renders with Agg
     rows_ = [r for r in table if r["tokens_per_s"] is not None]
     widths = sorted({r.get("tree.width") for r in rows_ if r.get("tree.width") is not None}, key=_num)
     depths = sorted({r.get("tree.depth") for r in rows_ if r.get("tree.depth") is not None}, key=_num)
@@ -235,7 +230,6 @@ def write_best(sweep_dir: str | Path, install: bool = False) -> Path | None:
            "mean_accepted_length": best["mean_accepted_length"], "tree": tree,
            "trials": len(ranked)}
     path = sweep_dir / "best.json"
-    from pipeline.io import write_json
     write_json(path, out)
     said = f"{best['speedup']:.2f}x greedy" if best["speedup"] is not None else "no baseline"
     print(f"search: best of {len(ranked)} trials {' '.join(job['override_list'])}: {best['tokens_per_s']:.1f} tokens/s "
@@ -254,10 +248,11 @@ def write_best(sweep_dir: str | Path, install: bool = False) -> Path | None:
 
 class SweepSummary(Callback):
     def on_multirun_end(self, config, **kwargs) -> None:
-        out = write_summary(config.hydra.sweep.dir)
+        sweep_dir = Path(config.hydra.sweep.dir)
+        out = write_summary(sweep_dir)
         if out and config.get("logger") is not None:
-            from pipeline.tracking import log_sweep
-            log_sweep(config, Path(config.hydra.sweep.dir))
+            columns, table = rows(load_jobs(sweep_dir))
+            log_sweep(config, sweep_dir, columns, table, out[2])
 
 
 if __name__ == "__main__":

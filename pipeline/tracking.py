@@ -6,6 +6,9 @@ its trees (`record_trees=true`), the pictures of `python -m pipeline.report`. A 
 `bench/<pipeline>/<metric>`. A sweep logs its summary table and its heatmaps as one more run,
 grouped with its jobs. Runs are written under `<run dir>/wandb/` (offline: `wandb sync` uploads
 them later).
+
+A sink: it is handed results, rows and the paths of pictures already drawn (by decode, bench and
+the sweep callback), and imports nothing of the project.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ SUMMARY_KEYS = ("tokens_per_s", "mean_accepted_length", "new_tokens", "requests"
 
 def _init(cfg: DictConfig, out: Path, name: str, group: str | None, job_type: str, config: dict | None):
     os.environ.setdefault("WANDB_SILENT", "true")  # wandb's banners stay out of the terminal
-    import wandb
+    import wandb  # optional and slow to import: only runs with logger=wandb load it
     node = cfg.logger
     offline = bool(node.get("offline", True))
     out.mkdir(parents=True, exist_ok=True)
@@ -32,7 +35,7 @@ def _init(cfg: DictConfig, out: Path, name: str, group: str | None, job_type: st
 def _sweep_group(out: Path) -> str | None:
     """Jobs of one sweep share a wandb group: the multirun directory's name."""
     try:
-        from hydra.core.hydra_config import HydraConfig
+        from hydra.core.hydra_config import HydraConfig  # Hydra's runtime: only inside an app
         from hydra.types import RunMode
         hc = HydraConfig.get()
         return Path(hc.sweep.dir).name if hc.mode == RunMode.MULTIRUN else None
@@ -40,8 +43,9 @@ def _sweep_group(out: Path) -> str | None:
         return None
 
 
-def log_decode(cfg: DictConfig, results: dict, out: Path) -> None:
-    import wandb
+def log_decode(cfg: DictConfig, results: dict, out: Path, pictures: list[Path] = ()) -> None:
+    """results: the run's results.json; pictures: the run's pictures (the .png ones are logged)."""
+    import wandb  # optional, see _init
     run = _init(cfg, out, name=f"{results['decode']} {out.name}", group=_sweep_group(out), job_type="decode",
                 config=OmegaConf.to_container(cfg, resolve=True))
     try:
@@ -55,11 +59,7 @@ def log_decode(cfg: DictConfig, results: dict, out: Path) -> None:
                                                              it["tree_depths"], it["step_ms"]), 1):
                 table.add_data(it["id"], k, acc, nodes, depth, ms)
         logged = {**metrics, "decode/steps": table}
-        if any(it.get("trees") for it in results["items"]):
-            from pipeline.report import draw_run
-            for path in draw_run(out, results):
-                if path.suffix == ".png":
-                    logged[f"pictures/{path.stem}"] = wandb.Image(str(path))
+        logged.update({f"pictures/{Path(p).stem}": wandb.Image(str(p)) for p in pictures if Path(p).suffix == ".png"})
         run.log(logged)
     finally:
         run.finish()
@@ -77,17 +77,17 @@ def log_bench(cfg: DictConfig, result: dict, out: Path) -> None:
         run.finish()
 
 
-def log_sweep(cfg: DictConfig, sweep_dir: Path) -> None:
-    import wandb
-    from pipeline.sweep import load_jobs, rows
-    columns, table = rows(load_jobs(sweep_dir))
+def log_sweep(cfg: DictConfig, sweep_dir: Path, columns: list[str], table: list[dict],
+              heatmaps: Path | None = None) -> None:
+    """columns, table: the sweep's summary rows (`pipeline.sweep.rows`); heatmaps: its summary.png."""
+    import wandb  # optional, see _init
     run = _init(cfg, sweep_dir, name=f"sweep {sweep_dir.name}", group=sweep_dir.name, job_type="sweep", config=None)
     try:
         data = [[None if r[c] is None else (r[c] if isinstance(r[c], (int, float)) else str(r[c])) for c in columns]
                 for r in table]
         logged = {"sweep/summary": wandb.Table(columns=columns, data=data)}
-        if (sweep_dir / "summary.png").is_file():
-            logged["sweep/heatmaps"] = wandb.Image(str(sweep_dir / "summary.png"))
+        if heatmaps is not None:
+            logged["sweep/heatmaps"] = wandb.Image(str(heatmaps))
         run.log(logged)
     finally:
         run.finish()

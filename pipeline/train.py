@@ -15,8 +15,10 @@ import time
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.build import component
 from pipeline.cli import CONF_DIR, check_overrides
 from pipeline.errors import one_line_errors
+from pipeline.io import run_dir, write_json
 
 
 def train(cfg: DictConfig) -> tuple[dict, dict]:
@@ -24,9 +26,6 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
-
-    from pipeline.build import component
-    from pipeline.io import run_dir, write_json
 
     out = run_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
@@ -95,7 +94,6 @@ def quiet_lightning(path) -> None:
 def main(cfg: DictConfig) -> dict:
     metrics, _ = train(cfg)
     print(json.dumps(metrics, indent=2), file=sys.stderr)
-    from pipeline.io import run_dir
     heads = run_dir(cfg) / "heads.safetensors"
     how = (f"decode=tree_eagle proposer.checkpoint={heads}" if "eagle" in str(cfg.heads._target_) else
            f"decode=tree_medusa proposer.checkpoint={heads} proposer.tree_file=null")

@@ -22,9 +22,12 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from pipeline.cli import CONF_DIR, check_overrides
+from components.data.datamodule import head_targets
 from components.proposer.policy import choose, step_costs
+from pipeline.build import component
+from pipeline.cli import CONF_DIR, check_overrides
 from pipeline.errors import UserError, one_line_errors
+from pipeline.io import run_dir, write_json
 
 
 def rank_matrix(heads, hidden: torch.Tensor, targets: torch.Tensor, max_rank: int, batch: int = 2048) -> torch.Tensor:
@@ -64,9 +67,6 @@ def grow_tree(ranks: torch.Tensor, max_nodes: int, max_rank: int) -> list[tuple[
 def search(cfg: DictConfig) -> tuple[dict, dict]:
     from hydra.utils import instantiate
 
-    from components.data.datamodule import head_targets
-    from pipeline.build import component
-    from pipeline.io import run_dir, write_json
 
     backbone = component(cfg.model)
     proposer = component(cfg.proposer, backbone)

@@ -30,7 +30,10 @@ from pathlib import Path
 
 import torch
 
+from components.model.load import cache_dir, content_key, from_pretrained, smollm2_gguf
 from pipeline.core import Generation, UserError
+from pipeline.core.io import atomic_write
+from pipeline.hf_peer import to_hf
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VENV_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
@@ -77,9 +80,6 @@ def hf_folder(model_cfg, backbone, scratch: Path) -> Path:
     """A Hugging Face folder vLLM can load for this model config: an HF model.path as it is; a GGUF
     (model.path, or the default model's) written once in bfloat16 under the cache dir, keyed by the
     file's content; any other backbone (model=tiny) written from its weights into `scratch`."""
-    from components.model.load import cache_dir, content_key, from_pretrained, smollm2_gguf
-    from pipeline.core.io import atomic_write
-    from pipeline.hf_peer import to_hf
     path = model_cfg.get("path")
     if path and Path(path).expanduser().is_dir():
         return Path(path).expanduser()

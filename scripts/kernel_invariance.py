@@ -6,7 +6,7 @@ For each precision's kernel and each of the default model's matrix shapes: 200 r
 one at a time and in groups of 2, 3, 8, 16, 64; prints how many output values differ from the one-row
 results and from the two-row results. Then the attention's reductions (q.k over the head dim,
 softmax and p.v over the context) in float32 and float64 for a plain step against a tree row that
-sees the same keys with masked siblings between them. This is what components/model/kernels.py
+sees the same keys with masked siblings between them. This is what components/model/tuner.py
 probes at load (`min_invariant_rows`) and why bfloat16/q4 attend in float64 (Transformer.attn_dtype).
 """
 from __future__ import annotations

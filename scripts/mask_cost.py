@@ -27,7 +27,7 @@ def main() -> None:
     from pipeline.build import constraint_node
     from pipeline.cli import compose_config, composing
     from pipeline.core import Target
-    from pipeline.core.constrain import words
+    from pipeline.core.bits import words
     from pipeline.requests import load_requests
     from hydra.utils import get_class
     from types import SimpleNamespace

@@ -16,7 +16,7 @@ from components.model.load import from_pretrained, smollm2_gguf
 from pipeline.bench import DEFAULT_INPUT
 from pipeline.build import build_engine
 from pipeline.cli import compose_config
-from pipeline.decode import first_divergence
+from pipeline.metrics import first_divergence
 from pipeline.requests import encode, load_requests
 
 

@@ -22,7 +22,8 @@ from components.sampler.logits import Sampler
 from components.verifier.exact import ExactVerifier
 from components.verifier.greedy import GreedyVerifier
 from pipeline.core import Engine, Proposer, Tree, UserError
-from pipeline.core.constrain import allows, pack, tokens_of, unpack, walk_tree, words
+from pipeline.core.bits import allows, pack, tokens_of, unpack, words
+from pipeline.core.constrain import walk_tree
 
 from conftest import compose_config, subprocess_env
 from test_sampling_spec import chi_square_p

@@ -172,7 +172,7 @@ def test_resume_refuses_items_of_another_precision(tmp_path):
 def test_int8_head_is_row_invariant_and_within_half_a_step():
     """The q4 mode's 8-bit LM head: each weight within half a step of its row's scale (the bfloat16
     scale the kernel multiplies by), and a row's bits never depend on the rows computed with it."""
-    from components.model.kernels import min_invariant_rows
+    from components.model.tuner import min_invariant_rows
     from components.model.linear import Int8Rows
     w = torch.randn(96, 64, generator=torch.Generator().manual_seed(5))
     head = Int8Rows(w)
@@ -184,7 +184,7 @@ def test_int8_head_is_row_invariant_and_within_half_a_step():
 
 
 def test_tiny_q4_with_the_int8_head_decodes_losslessly():
-    """Where the machine picks the 8-bit head (components/model/kernels.py), every step uses it: trees
+    """Where the machine picks the 8-bit head (components/model/tuner.py), every step uses it: trees
     and batches still equal greedy in the same mode."""
     from components.model.kernels import BUCKETS
     from components.model.linear import Int8Rows

@@ -1,4 +1,4 @@
-"""The kernel plan's invariance probe (components/model/kernels.py) on kernels that behave as the
+"""The kernel plan's invariance probe (components/model/tuner.py) on kernels that behave as the
 ones seen on real CPUs: invariant as they are (torch's int4), from 2 rows (oneDNN's bfloat16 on
 AVX-512), only from 32 rows (oneDNN's bfloat16 on AMX), or never. The probe must find the padding
 that makes a product invariant, the plan must take it, a tree then equals plain greedy, and where
@@ -10,9 +10,11 @@ import json
 import pytest
 import torch
 
+import components.model.cost_model as cost_model
 import components.model.kernels as kernels
 import components.model.linear as linear
 import components.model.llama as llama
+import components.model.tuner as tuner
 from components.model import load
 from components.model.load import tiny
 from pipeline.build import build_engine
@@ -49,7 +51,7 @@ def emulate(monkeypatch, xw_from: int | None, linear_from: int | None):
         y = prods.get(kernel, prods["xw"])(kernels.at_least(x2, min_rows), w)[:x2.shape[0]]
         return y.view(*x.shape[:-1], y.shape[-1])
 
-    for mod in (kernels, linear, llama):
+    for mod in (kernels, tuner, cost_model, linear, llama):
         monkeypatch.setattr(mod, "matmul", matmul)
 
 
@@ -71,7 +73,7 @@ def test_probe_finds_the_fewest_rows_from_which_a_product_is_invariant():
     w = torch.randn(64, 96, generator=torch.Generator().manual_seed(1)).bfloat16()
     for from_rows, expected in ((1, 1), (2, 2), (3, 4), (32, 32), (64, 64), (None, 0)):
         fn = lambda x, p=row_dependent(from_rows): p(x, w)
-        assert kernels.min_invariant_rows(fn, 64, torch.bfloat16) == expected, from_rows
+        assert tuner.min_invariant_rows(fn, 64, torch.bfloat16) == expected, from_rows
     x = torch.randn(5, 64).bfloat16()
     fn = row_dependent(32)
     assert not torch.equal(fn(x[:1], w), fn(x, w)[:1])  # the emulated kernel really is row-dependent
@@ -121,7 +123,7 @@ def test_no_invariant_path_is_said_in_one_line_and_in_results(monkeypatch, capsy
 def test_auto_skips_a_precision_without_an_invariant_path_for_speculative_runs(monkeypatch):
     costs = {"float32": {"ms": 9.0, "invariant": False}, "bfloat16": {"ms": 3.0, "invariant": False},
              "q4": {"ms": 5.0, "invariant": True}}
-    monkeypatch.setattr(kernels, "precision_costs", lambda *a, **k: {c: costs[c] for c in a[1]})
+    monkeypatch.setattr(cost_model, "precision_costs", lambda *a, **k: {c: costs[c] for c in a[1]})
     args = llama.LlamaArgs()
     assert load.resolve_precision("auto", list(costs), args, torch.device("cpu"))[0] == "bfloat16"
     assert load.resolve_precision("auto", list(costs), args, torch.device("cpu"), invariant=True)[0] == "q4"
@@ -139,7 +141,7 @@ def test_auto_weighs_the_rows_of_the_run(monkeypatch):
         seen.append(rows)
         ms = {"float32": 9.0 * rows, "bfloat16": 3.0 + 0.1 * rows, "q4": 1.0 + 0.5 * rows}
         return {c: {"ms": ms[c], "invariant": True, "rows": rows} for c in candidates}
-    monkeypatch.setattr(kernels, "precision_costs", costs)
+    monkeypatch.setattr(cost_model, "precision_costs", costs)
     args, cpu = llama.LlamaArgs(), torch.device("cpu")
     assert load.resolve_precision("auto", ["float32", "bfloat16", "q4"], args, cpu, step_rows=1)[0] == "q4"
     assert load.resolve_precision("auto", ["float32", "bfloat16", "q4"], args, cpu, step_rows=24)[0] == "bfloat16"
@@ -156,8 +158,8 @@ def test_precision_probe_on_model_shapes(dtype, native):
     kernels has an invariant path (what every CPU seen so far gives, padding included), and a step
     of more rows costs more."""
     args = llama.LlamaArgs(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128)
-    one = kernels.precision_costs(args, [dtype], torch.device("cpu"), None, rows=1, native=native)[dtype]
-    many = kernels.precision_costs(args, [dtype], torch.device("cpu"), None, rows=256, native=native)[dtype]
+    one = cost_model.precision_costs(args, [dtype], torch.device("cpu"), None, rows=1, native=native)[dtype]
+    many = cost_model.precision_costs(args, [dtype], torch.device("cpu"), None, rows=256, native=native)[dtype]
     assert one["invariant"] is True and many["invariant"] is True
     assert 0 < one["ms"] < many["ms"] and one["rows"] == 1 and many["rows"] == 256
 
@@ -169,3 +171,46 @@ def test_forced_kernels_are_not_vouched_for(monkeypatch):
     assert not bb.model.layers[0].plan.probed and not bb.batch_invariant
     assert bb.describe()["not_invariant"] == list(kernels.PRODUCTS)
     assert "no batch-invariant kernel" in bb.lossless_notice(True, False)
+
+
+@pytest.mark.parametrize("kernel", kernels.KERNELS)
+def test_model_kernels_key_forces_one_kernel_unprobed(kernel):
+    """`model.kernels=<kernel>` (what LLM_DECODE_KERNELS overrides): that kernel everywhere, nothing
+    probed, and a speculative run is told."""
+    bb = tiny(dtype="q4", native=False)
+    bb.model.optimize_for_decoding(cache=None, kernels=kernel)
+    plan = bb.model.layers[0].plan
+    assert not plan.probed and not bb.batch_invariant
+    assert all(set(plan.kernels[p].values()) == {kernel} for p in kernels.PRODUCTS)
+    assert "no batch-invariant kernel" in bb.lossless_notice(True, False)
+
+
+def test_model_head_and_kernels_keys_default_to_measuring_and_the_environment_overrides(monkeypatch):
+    cfg = compose_config(["decode=greedy"])
+    assert (cfg.model.head, cfg.model.kernels) == ("dtype", "auto")
+    assert llama.decoding_choices(cfg.model.head, cfg.model.kernels) == ("dtype", "auto")
+    monkeypatch.setenv("LLM_DECODE_HEAD", "int8")
+    monkeypatch.setenv("LLM_DECODE_KERNELS", "xw")
+    assert llama.decoding_choices("dtype", "linear") == ("int8", "xw")
+    monkeypatch.setenv("LLM_DECODE_KERNELS", "fast")
+    with pytest.raises(ValueError, match="LLM_DECODE_KERNELS"):
+        llama.decoding_choices()
+
+
+@pytest.mark.parametrize("head, kernel", [("int4", "auto"), ("dtype", "fast")])
+def test_a_bad_head_or_kernels_value_fails_before_the_weights_load(head, kernel):
+    with pytest.raises(ValueError, match="model.head" if head == "int4" else "model.kernels"):
+        load.from_pretrained(path="/nonexistent/model.gguf", head=head, kernels=kernel)
+
+
+@pytest.mark.parametrize("how", ["config", "env"])
+def test_the_8bit_head_is_a_candidate_only_when_asked(monkeypatch, how):
+    """`model.head=int8` (or LLM_DECODE_HEAD=int8) puts the q4 mode's 8-bit head among the plan's
+    candidates; by default it is not measured (and holds no memory)."""
+    seen, real = [], tuner.measure
+    monkeypatch.setattr(tuner, "measure", lambda model: seen.append("int8" in tuner.candidates(model)["head"]) or real(model))
+    tiny(dtype="q4", native=False).model.optimize_for_decoding(cache=None)
+    if how == "env":
+        monkeypatch.setenv("LLM_DECODE_HEAD", "int8")
+    tiny(dtype="q4", native=False).model.optimize_for_decoding(cache=None, **({"head": "int8"} if how == "config" else {}))
+    assert seen == [False, True]

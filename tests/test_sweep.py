@@ -14,6 +14,7 @@ import yaml
 from conftest import PYTHON, REPO_ROOT, subprocess_env
 
 from pipeline.sweep import load_jobs, rows, write_summary
+from pipeline.tracking import log_sweep
 
 PNG = b"\x89PNG"
 
@@ -211,11 +212,11 @@ def test_best_trial_tree_installs_as_a_tree_file(tmp_path, tiny_backbone):
 
 
 def test_wandb_logs_a_sweep_summary_offline(tmp_path, compose_cfg):
-    from pipeline.tracking import log_sweep
     fake_job(tmp_path, 0, ["decode=greedy"], "greedy", 10.0)
     fake_job(tmp_path, 1, ["decode=tree_ngram", "tree.width=2"], "tree_ngram", 12.0, 1.4, 12.0)
-    write_summary(tmp_path)
-    log_sweep(compose_cfg(["logger=wandb"]), tmp_path)
+    made = write_summary(tmp_path)
+    columns, table = rows(load_jobs(tmp_path))
+    log_sweep(compose_cfg(["logger=wandb"]), tmp_path, columns, table, made[2])
     run = next((tmp_path / "wandb").glob("offline-run-*"))
     media = {p.parent.name for p in (run / "files" / "media").rglob("*") if p.is_file()}
     assert {"sweep"} <= media

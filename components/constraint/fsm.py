@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.core import Constraint, Grammar, UserError
-from pipeline.core.constrain import pack
+from pipeline.core.bits import pack
 
 
 class FSM(Grammar):

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from pipeline.core import Constraint, Grammar, UserError
-from pipeline.core.constrain import allows, pack, unpack, words
+from pipeline.core.bits import allows, pack, unpack, words
 
 VERSION = "0.2.9"
 

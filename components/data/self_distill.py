@@ -30,7 +30,10 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from components.data.prompts import prompt_filter, training_prompts
-from pipeline.core import Engine, UserError, atomic_write, encode_chat
+from components.kv.contiguous import ContiguousKV
+from components.kv.paged import PagedKV
+from components.sampler.logits import Sampler
+from pipeline.core import Engine, StepBatch, UserError, atomic_write, encode_chat
 
 
 @dataclass
@@ -70,8 +73,6 @@ def generate_batch(backbone, prompts: list[list[int]], max_new_tokens: int,
                    batch_size: int | None = None, kv=None) -> list[tuple[list[int], torch.Tensor]]:
     """Greedy answers of the prompts with the hidden state before each token, decoded by the core
     engine `batch_size` at a time (default: all together) with continuous batching."""
-    from components.kv.paged import PagedKV
-    from components.sampler.logits import Sampler
     engine = Engine(backbone.model, kv or PagedKV(backbone), Sampler(do_sample=False), backbone.eos_ids,
                     max_new_tokens, batch_size=batch_size or len(prompts))
     hidden: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -142,8 +143,6 @@ def build_context(backbone, out: Path, config: dict, n: int, batch_size: int = 1
     todo = [(a, b, p) for a, b, p in parts(out) if a < n and not _sibling(p, "context").is_file()]
     if not todo:
         return
-    from pipeline.core import StepBatch
-    from components.kv.contiguous import ContiguousKV
     model, tok = backbone.model, backbone.tokenizer
     prompts = training_prompts(max(b for _, b, _ in todo), seed=config["prompt_seed"])
     kv = ContiguousKV(backbone)

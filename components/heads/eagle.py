@@ -32,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from components.heads.medusa import check_fits, draft_lm_weight, select_draft_vocab
+from components.model.linear import Int4
 from components.model.llama import Block, RMSNorm, cached_attention, rope_inv_freq
 from pipeline.core import UserError, atomic_write
 
@@ -146,7 +147,6 @@ class EagleDraft(nn.Module):
         kernel, bfloat16 inside, float32 around). Each draft depth then reads ~5 MB of weights, not ~36:
         a depth costs a fraction of a verification row. A draft's rounding moves which tokens are
         proposed, never which are committed. Not for training (the matrices are no longer parameters)."""
-        from components.model.linear import Int4
         device = self.lm_weight.device
         fc = Int4.quantized(self.fc.weight, device)  # the input projection, (dim, 2 dim)
         if fc is not None:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from components.model.linear import Int4
 from pipeline.core import UserError, atomic_write
 
 FORMAT = "llm-decode-medusa-v1"
@@ -97,7 +98,6 @@ class MedusaHeads(nn.Module):
         """Decoding beside a q4 backbone: the shared projection stored as the backbone's matrices are,
         4-bit groups of 32 (components/model/linear.py `Int4`), ~4x fewer bytes read per step than
         float32. Moves which tokens are drafted, never which are committed. Not for training."""
-        from components.model.linear import Int4
         if self.proj is None:
             self._infer_q4 = Int4.quantized(self.shared_weight, self.shared_weight.device)
         return self

@@ -2,11 +2,11 @@
 optional [out, in] copy for the multi-row kernels of components/model/kernels.py), `Int4` (4-bit
 codes in groups of 32 with a scale and a zero per group, torch's weight-only int4 kernels, bfloat16
 activations) and `Int8Rows` (8-bit codes with one scale per output row: the q4 mode's LM head with
-LLM_DECODE_HEAD=int8, where the machine measures it faster than bfloat16).
+`model.head=int8`, where the machine measures it faster than bfloat16).
 
 In the bfloat16 and q4 modes a row must get the same bits whatever rows are computed with it, so
 that a tree's rows equal the plain steps they replace. Each module's `min_rows` (probed per
-machine, components/model/kernels.py) pads its input with zero rows to the row count from which
+machine, components/model/tuner.py) pads its input with zero rows to the row count from which
 its kernel is invariant: 1 for torch's int4 kernel everywhere seen, 2 for oneDNN's bfloat16 product
 on AVX-512 (its one-row gemv differs for a long inner dimension), 32 for it on AMX.
 """
@@ -132,7 +132,7 @@ class Int8Rows(nn.Module):
     bfloat16 before the codes are chosen, so the stored pair is what the kernel multiplies by: a
     weight is off by at most half a step of its row's (max |w| / 127). For the q4 mode's LM head:
     half the bfloat16 head's bytes, ~4x faster for a few rows on a 2-core CPU (measured per
-    machine by components/model/kernels.py, which keeps the bfloat16 head where it is not)."""
+    machine by components/model/tuner.py, which keeps the bfloat16 head where it is not)."""
 
     dtype = torch.bfloat16
 

@@ -20,9 +20,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from components.model.kernels import PRODUCTS, KernelPlan, matmul
-from components.model.linear import Dense
+from components.model import native
+from components.model.kernels import KERNELS, PRODUCTS, KernelPlan, matmul
+from components.model.linear import Dense, Int8Rows
+from components.model.tuner import plan_for
 from pipeline.core import StepBatch
+
+HEADS = ("dtype", "int8")  # model.head: the LM head in the model's precision, or (q4) also an 8-bit candidate
 
 
 @dataclass
@@ -343,7 +347,6 @@ class Transformer(nn.Module):
         """Run cached steps through the fused kernels where they are built (bfloat16 and q4 on CPU;
         float32 stays on torch's path, equal to transformers). Returns whether they are in use. Set
         before KV managers are made: it decides `attn_dtype`."""
-        from components.model import native
         ok = enable and self.dtype == torch.bfloat16 and self.device.type == "cpu"
         self.native = native.load() if ok else None
         return self.native is not None
@@ -362,21 +365,21 @@ class Transformer(nn.Module):
                 *hidden.shape[:-1], wt.shape[0])
         return matmul(hidden, self.lm_head, wt, "xw" if kernel == "int8" else kernel, plan.min_rows["head"]).float()
 
-    def optimize_for_decoding(self, cache=None):
+    def optimize_for_decoding(self, cache=None, head: str = "dtype", kernels: str = "auto"):
         """Trade memory for multi-row speed: transposed weight copies, and the fastest kernel per row
-        count measured on this machine (cached under `cache`, see components/model/kernels.py)."""
-        from components.model.kernels import plan_for
+        count measured on this machine (cached under `cache`, see components/model/tuner.py).
+        head, kernels: `model.head` and `model.kernels` (see `decoding_choices`)."""
+        head, kernels = decoding_choices(head, kernels)
         for blk in self.layers:
             for m in blk.matrices():
                 m.make_transposed(True)
         if not self.args.tie_embeddings:
             self.lm_head_t = self.lm_head.detach().t().contiguous()
-        if self.precision == "q4" and self.device.type == "cpu" and os.environ.get("LLM_DECODE_HEAD") == "int8":
+        if self.precision == "q4" and self.device.type == "cpu" and head == "int8":
             # opt-in: an 8-bit head (kept if measured faster) re-quantizes the Q8_0 head per row and
             # moves greedy further from float32 (README, "Agreement with float32")
-            from components.model.linear import Int8Rows
             self.head_q8 = Int8Rows(self.lm_head.detach().t())
-        plan = plan_for(self, cache)
+        plan = plan_for(self, cache, kernels)
         if "int8" not in plan.kernels.get("head", {}).values():
             self.head_q8 = None  # not chosen here: no memory held for it
         elif self.head_q8 is not None:
@@ -401,6 +404,21 @@ class Transformer(nn.Module):
         changes them: heads trained in one precision load in every other."""
         self.source_fingerprint = self.fingerprint()
         return self
+
+
+def decoding_choices(head: str = "dtype", kernels: str = "auto") -> tuple[str, str]:
+    """`model.head` (one of HEADS: `int8` lets the q4 mode's LM head run in 8 bits where the
+    machine measures it faster) and `model.kernels` (`auto`: the kernel per row count measured on
+    this machine; a name of kernels.KERNELS: that kernel everywhere, not probed), checked. The
+    environment variables LLM_DECODE_HEAD and LLM_DECODE_KERNELS, when set, override them."""
+    head = os.environ.get("LLM_DECODE_HEAD") or head
+    kernels = os.environ.get("LLM_DECODE_KERNELS") or kernels
+    if head not in HEADS:
+        raise ValueError(f"model.head (or LLM_DECODE_HEAD) must be one of {', '.join(HEADS)}, got {head!r}")
+    if kernels != "auto" and kernels not in KERNELS:
+        raise ValueError(f"model.kernels (or LLM_DECODE_KERNELS) must be auto or one of {', '.join(KERNELS)}, "
+                         f"got {kernels!r}")
+    return head, kernels
 
 
 def fingerprint_of(a: LlamaArgs, wqkv: torch.Tensor, embedding: torch.Tensor) -> str:

@@ -6,10 +6,14 @@ the precisions (`model.dtype`):
 - `bfloat16`: weights and activations in bfloat16;
 - `q4`: the layer matrices as 4-bit groups (a GGUF's Q4_1 / Q4_0 blocks as shipped, mapped exactly
   onto torch's int4 kernels; a float checkpoint is quantized at load), bfloat16 activations, the
-  embedding and LM head in bfloat16 (LLM_DECODE_HEAD=int8: the head in 8 bits with one scale per
+  embedding and LM head in bfloat16 (`model.head=int8`: the head in 8 bits with one scale per
   row, `Int8Rows`, where measured faster: ~2 ms a step faster, further from float32);
-- `auto` (default): the fastest of these on this machine, measured (components/model/kernels.py:
+- `auto` (default): the fastest of these on this machine, measured (components/model/cost_model.py:
   `precision_costs`); `q4` is a candidate only for files that ship 4-bit blocks.
+The kernel of each product per row count is measured on this machine too (components/model/tuner.py),
+or forced (`model.kernels=xw|linear|padded_t`). Environment variables override three keys for a
+whole shell: LLM_DECODE_HEAD (model.head), LLM_DECODE_KERNELS (model.kernels) and
+LLM_DECODE_NATIVE=0 (model.native=false).
 GGUF files are read with gguf-py (memory-mapped) and de-quantized by our own code, bit for bit as
 gguf-py does; nothing is converted to disk. Only the tokenizer (and config) is cached, under
 $PIPELINE_CACHE (default ~/.cache/llm-decode), keyed by the file's content. Nothing is downloaded.
@@ -26,7 +30,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from components.model.llama import Block, LlamaArgs, Transformer, fingerprint_of, rope_inv_freq
+from components.model import cost_model, gguf
+from components.model.linear import Int4, quantize_q4
+from components.model.llama import Block, LlamaArgs, Transformer, decoding_choices, fingerprint_of, rope_inv_freq
 from pipeline.core import UserError, atomic_write
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -155,8 +161,7 @@ def resolve_precision(precision: str, candidates: list[str], args: LlamaArgs, de
     check_precision(precision)
     if precision != "auto":
         return precision, {}
-    from components.model.kernels import precision_costs
-    costs = precision_costs(args, candidates, device, cache_dir(), max(1, int(step_rows)), native)
+    costs = cost_model.precision_costs(args, candidates, device, cache_dir(), max(1, int(step_rows)), native)
     usable = {c: v for c, v in costs.items() if not invariant or c == "float32" or v["invariant"]} or costs
     return min(usable, key=lambda c: usable[c]["ms"]), costs
 
@@ -173,12 +178,11 @@ def _materialize(model: torch.nn.Module, device: torch.device):
 
 
 def assemble(args: LlamaArgs, weights: dict[str, torch.Tensor], q4: Q4, precision: str, device: torch.device,
-             wqkv0: torch.Tensor, optimize: bool = True) -> Transformer:
+             wqkv0: torch.Tensor, optimize: bool = True, head: str = "dtype", kernels: str = "auto") -> Transformer:
     """Our Transformer from float32 `weights` (our names and layout) and 4-bit matrices `q4`, in
     `precision` (float32 / bfloat16 / q4) on `device`. Its fingerprint is taken from the float32
     weights as loaded (wqkv0: layer 0's q/k/v [in, out]), so heads trained in one precision load in
-    every other."""
-    from components.model.linear import Int4
+    every other. head, kernels: what `optimize_for_decoding` is given."""
     with torch.device("meta"):
         model = Transformer(args)
     for name, (codes, scale, zero) in q4.items():
@@ -194,29 +198,28 @@ def assemble(args: LlamaArgs, weights: dict[str, torch.Tensor], q4: Q4, precisio
     dtype = torch.float32 if precision == "float32" else torch.bfloat16
     model = model.to(dtype).eval().requires_grad_(False)
     model.inv_freq = rope_inv_freq(args).float().to(device)  # RoPE frequencies stay float32 in every mode
-    return model.optimize_for_decoding(cache_dir()) if optimize else model
+    return model.optimize_for_decoding(cache_dir(), head, kernels) if optimize else model
 
 
 def quantize_matrices(weights: dict[str, torch.Tensor], args: LlamaArgs) -> Q4:
     """Move every layer matrix of `weights` ([in, out] float) into 4-bit groups (min/max per group of
     32, as ggml's Q4_1 quantizes): `q4` for checkpoints that ship float weights."""
-    from components.model.linear import quantize_q4
     return {f"layers.{i}.{n}": quantize_q4(weights.pop(f"layers.{i}.{n}.weight").t())
             for i in range(args.n_layers) for n in Block.MATRICES}
 
 
 def build(args: LlamaArgs, weights: dict[str, torch.Tensor], precision: str = "float32", device: str = "cpu",
-          optimize: bool = True) -> Transformer:
+          optimize: bool = True, head: str = "dtype", kernels: str = "auto") -> Transformer:
     """A Transformer from float32 weights in our layout (`convert_hf_state_dict`), in `precision`."""
     weights = dict(weights)
     wqkv0 = weights["layers.0.wqkv.weight"]
     q4 = quantize_matrices(weights, args) if check_precision(precision) == "q4" else {}
     return assemble(args, weights, q4, "float32" if precision == "auto" else precision, resolve_device(device),
-                    wqkv0, optimize)
+                    wqkv0, optimize, head, kernels)
 
 
 def _load_tokenizer(source: Path, gguf_file: str | None):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers is slow to import: loaded with the first tokenizer
     if gguf_file:
         return AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
     return AutoTokenizer.from_pretrained(source)
@@ -234,7 +237,7 @@ def _gguf_tokenizer_dir(path: Path) -> Path:
     cdir = cache_dir() / f"{path.stem}-{content_key(path)}-tokenizer"
     if (cdir / "tokenizer_config.json").is_file():
         return cdir
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # slow to import, see _load_tokenizer
     hf_logging.set_verbosity_error()
     try:
         atomic_write(cdir, lambda tmp: _load_tokenizer(path.parent, path.name).save_pretrained(tmp))
@@ -244,11 +247,10 @@ def _gguf_tokenizer_dir(path: Path) -> Path:
     return cdir
 
 
-def _from_gguf(path: Path, precision: str, device: torch.device, **auto) -> tuple[Transformer, object, dict]:
-    from components.model import gguf
+def _from_gguf(path: Path, precision: str, device: torch.device, head: str, kernels: str,
+               **auto) -> tuple[Transformer, object, dict]:
     f = gguf.GGUFFile(path)
     args = f.args()
-    from components.model.linear import quantize_q4
     layers = [f.matrices(args, i) for i in range(args.n_layers)]
     four_bit = all(t.kind in ("Q4_0", "Q4_1") for parts in layers for ps in parts.values() for t, _ in ps)
     precision, costs = resolve_precision(precision, ["float32", "bfloat16"] + ["q4"] * four_bit, args, device, **auto)
@@ -274,12 +276,13 @@ def _from_gguf(path: Path, precision: str, device: torch.device, **auto) -> tupl
                 weights[p + n + ".weight"] = gguf.dense(ps).t()
     wqkv0 = weights.get("layers.0.wqkv.weight")
     wqkv0 = gguf.dense(layers[0]["wqkv"]).t() if wqkv0 is None else wqkv0
-    model = assemble(args, weights, q4, precision, device, wqkv0)
+    model = assemble(args, weights, q4, precision, device, wqkv0, head=head, kernels=kernels)
     return model, _load_tokenizer(_gguf_tokenizer_dir(path), None), costs
 
 
-def _from_hf_folder(path: Path, precision: str, device: torch.device, **auto) -> tuple[Transformer, object, dict]:
-    from transformers import AutoConfig
+def _from_hf_folder(path: Path, precision: str, device: torch.device, head: str, kernels: str,
+                    **auto) -> tuple[Transformer, object, dict]:
+    from transformers import AutoConfig  # transformers is slow to import: only HF folders need its config reader
     files = sorted(path.glob("*.safetensors"))
     if not (path / "config.json").is_file() or not files:
         raise UserError(f"{path} is not a Hugging Face checkpoint folder (needs config.json and *.safetensors)")
@@ -288,26 +291,31 @@ def _from_hf_folder(path: Path, precision: str, device: torch.device, **auto) ->
     for f in files:
         sd.update({k: v.float() for k, v in load_file(f).items()})
     precision, costs = resolve_precision(precision, ["float32", "bfloat16"], args, device, **auto)
-    return build(args, convert_hf_state_dict(sd, args), precision, device), _load_tokenizer(path, None), costs
+    model = build(args, convert_hf_state_dict(sd, args), precision, device, head=head, kernels=kernels)
+    return model, _load_tokenizer(path, None), costs
 
 
 def from_pretrained(path: str | None = None, dtype: str = "auto", max_seq_len: int | None = None,
                     name: str = "smollm2_135m", device: str = "cpu", invariant: bool = False,
-                    native: bool = True, step_rows: int = 1) -> Backbone:
+                    native: bool = True, step_rows: int = 1, head: str = "dtype", kernels: str = "auto") -> Backbone:
     """path: a .gguf file, a Hugging Face folder, or None for the default SmolLM2-135M-Instruct GGUF.
     dtype: the precision (auto | float32 | bfloat16 | q4). invariant: the run speculates or batches,
     so `auto` skips precisions with no batch-invariant path here; step_rows: the rows of its steps
     (batch size x tree rows), which `auto` weighs (pipeline.build passes both).
-    native: bfloat16 and q4 steps through the fused C++ kernels where built (components/model/native.py)."""
+    native: bfloat16 and q4 steps through the fused C++ kernels where built (components/model/native.py).
+    head, kernels: the LM head's and the matrices' kernels (`decoding_choices`)."""
     precision = check_precision(dtype)
+    decoding_choices(head, kernels)  # a bad value fails before the weights load
     dev = resolve_device(device)
     p = smollm2_gguf() if path is None else Path(path).expanduser()
     if not p.exists():
         raise UserError(f"model path {p} does not exist: pass model.path=<HF folder or .gguf file>")
     if p.suffix == ".gguf":
-        model, tok, costs = _from_gguf(p, precision, dev, invariant=invariant, step_rows=step_rows, native=native)
+        model, tok, costs = _from_gguf(p, precision, dev, head, kernels, invariant=invariant, step_rows=step_rows,
+                                       native=native)
     else:
-        model, tok, costs = _from_hf_folder(p, precision, dev, invariant=invariant, step_rows=step_rows, native=native)
+        model, tok, costs = _from_hf_folder(p, precision, dev, head, kernels, invariant=invariant, step_rows=step_rows,
+                                            native=native)
     if max_seq_len:
         model.args.max_seq_len = max_seq_len
     model.use_native(native)

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from components.heads.eagle import EagleDraft
+from components.kv.contiguous import ContiguousKV
 from components.proposer.policy import best_prefix, measured_costs
 from pipeline.core import DecodeState, Proposer, StepBatch, Tree, UserError
 
@@ -87,7 +88,6 @@ class EagleProposer(Proposer):
             self.draft.quantize_for_decoding()
         self.checkpoint_path = path
         self.width, self.depth, self.max_nodes, self.p_min = width, depth, max_nodes, float(p_min)
-        from components.kv.contiguous import ContiguousKV
         a = self.draft.args
         self.kv = ContiguousKV(None, 256, 1, a.n_kv_heads, a.head_dim, torch.float32, device=backbone.model.device)
         self.seqs: dict[int, _Seq] = {}

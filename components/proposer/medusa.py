@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from components.heads.medusa import MedusaHeads
+from components.proposer.policy import size_tree
 from pipeline.core import DecodeState, Proposer, StaticTree, Tree, UserError, dynamic_tree
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "checkpoints"
@@ -92,7 +93,6 @@ class MedusaProposer(Proposer):
         order = [(p, q) for p, q in order if len(p) <= self.heads.num_heads]
         if nodes != "auto":
             return [list(p) for p, _ in order[:nodes]]
-        from components.proposer.policy import size_tree
         full = StaticTree.from_choices([p for p, _ in order])
         h = torch.zeros(1, self.heads.dim, device=backbone.model.device)
         t0 = time.perf_counter()

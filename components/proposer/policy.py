@@ -22,6 +22,9 @@ import time
 import torch
 
 from pipeline.core import StaticTree, StepBatch, atomic_write
+from components.kv.contiguous import ContiguousKV
+from components.model.load import cache_dir
+from components.model.tuner import machine_key
 
 SIZES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # drafts per step at which the cost is measured
 
@@ -32,7 +35,6 @@ def step_costs(model, order: list[tuple[int, ...]], proposal_ms: float, prefix: 
     """ms of a whole verification step with the first n paths of `order`, for n in SIZES (capped),
     for `batch` sequences drafting together (the run's batch size: its steps have batch x (n + 1)
     rows, so the rows a draft adds cost what they cost at that size)."""
-    from components.kv.contiguous import ContiguousKV
     a = model.args
     kv = ContiguousKV(None, prefix + len(order) + 8, a.n_layers, a.n_kv_heads, a.head_dim, model.attn_dtype,
                       device=model.device)
@@ -104,8 +106,6 @@ def measured_costs(backbone, order: list[tuple[int, ...]], proposal_ms: float, c
                    batch: int = 1) -> dict[int, float]:
     """`step_costs`, measured once per machine, precision, thread count, batch size and `cache_key`,
     then cached beside the kernel plans."""
-    from components.model.kernels import machine_key
-    from components.model.load import cache_dir
     native = "native" if backbone.model.native is not None else "torch"
     path = cache_dir() / f"tree-costs-{machine_key(backbone.model)}-{native}-b{batch}-{cache_key}.json"
     if path.is_file():

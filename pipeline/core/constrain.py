@@ -1,57 +1,13 @@
-"""Constraints in the step loop: packed allowed sets, their unpacking for the target stage, and the
-walk that prunes a draft tree to the language and gives every node the mask of its own state.
-
-An allowed set is packed as XGrammar and vLLM pack it: (W,) int32 with W = ceil(V / 32), bit v % 32
-of word v // 32 set when token v may come next.
+"""Constraints in the step loop: the walk that prunes a draft tree to the language and gives every
+node the mask of its own state (allowed sets packed as pipeline.core.bits packs them).
 """
 from __future__ import annotations
 
-import sys
-from typing import TYPE_CHECKING
-
-import numpy as np
 import torch
 
+from pipeline.core.bits import allows, unpack, words
+from pipeline.core.protocols import Constraint
 from pipeline.core.tree import Tree
-
-if TYPE_CHECKING:
-    from pipeline.core.protocols import Constraint
-
-_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
-def words(vocab_size: int) -> int:
-    return (vocab_size + 31) // 32
-
-
-def unpack(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(..., W) int32 -> (..., V) bool."""
-    if sys.byteorder == "little" and bits.device.type == "cpu" and bits.is_contiguous():  # numpy: 3x faster
-        u8 = bits.view(torch.uint8).numpy()
-        return torch.from_numpy(np.unpackbits(u8, axis=-1, bitorder="little")).view(torch.bool)[..., :vocab_size]
-    return ((bits.unsqueeze(-1) >> _SHIFTS) & 1).bool().flatten(-2)[..., :vocab_size]
-
-
-def pack(allowed: torch.Tensor) -> torch.Tensor:
-    """(..., V) bool -> (..., W) int32."""
-    v = allowed.shape[-1]
-    if sys.byteorder == "little" and allowed.device.type == "cpu":
-        padded = np.zeros((*allowed.shape[:-1], words(v) * 32), dtype=bool)
-        padded[..., :v] = allowed.numpy()
-        return torch.from_numpy(np.packbits(padded, axis=-1, bitorder="little")).view(torch.int32)
-    padded = torch.zeros(*allowed.shape[:-1], words(v) * 32, dtype=torch.int64)
-    padded[..., :v] = allowed
-    packed = (padded.view(*allowed.shape[:-1], -1, 32) << _SHIFTS.long()).sum(-1)
-    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)  # two's complement
-
-
-def allows(bits: torch.Tensor, token: int) -> bool:
-    """Whether the packed set bits (W,) holds `token`."""
-    return bool((int(bits[token >> 5]) >> (token & 31)) & 1)
-
-
-def tokens_of(bits: torch.Tensor, vocab_size: int) -> list[int]:
-    return unpack(bits, vocab_size).nonzero().flatten().tolist()
 
 
 def walk_tree(constraint: Constraint, tree: Tree, eos_ids: set[int], vocab_size: int,

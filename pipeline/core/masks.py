@@ -19,7 +19,8 @@ from typing import Callable
 
 import torch
 
-from pipeline.core.constrain import allows, walk_tree, words
+from pipeline.core.bits import allows, words
+from pipeline.core.constrain import walk_tree
 from pipeline.core.tree import Tree
 
 

@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from pipeline.core.target import Target
 from pipeline.core.tree import Tree
 from pipeline.core.types import Accepted, DecodeState, StepBatch
 
@@ -221,5 +222,3 @@ class KVManager(ABC):
     def stats(self) -> dict:
         """Memory accounting: bytes in use, peak, and the manager's own counters."""
 
-
-from pipeline.core.target import Target  # noqa: E402  (annotations above; target imports nothing of this)

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from pipeline.core.constrain import unpack
+from pipeline.core.bits import allows, unpack
 from pipeline.core.errors import UserError
 
 
@@ -55,7 +55,7 @@ class Target:
                 self._argmax = self._scores.argmax(-1).tolist()
             else:
                 raw = self._raw.argmax(-1).cpu()  # (R,)
-                ok = _allows(self.allowed, raw[:, None])[:, 0]
+                ok = allows(self.allowed, raw[:, None])[:, 0]
                 out = raw.tolist()
                 for r in (~ok).nonzero().flatten().tolist():
                     out[r] = self._masked_argmax(r)
@@ -68,7 +68,7 @@ class Target:
         k = min(k, self._raw.shape[-1])
         top = self._raw[r].topk(k)
         vals, idx = top.values.cpu(), top.indices.cpu()
-        ok = _allows(self.allowed[r:r + 1], idx[None])[0]
+        ok = allows(self.allowed[r:r + 1], idx[None])[0]
         if bool(ok.any()):
             first = int(ok.nonzero()[0])
             best = vals[first]
@@ -91,12 +91,6 @@ class Target:
         return self._raw.shape[0]
 
 
-def _allows(bits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """bits (R, W) packed sets, idx (R, k) token ids -> (R, k) bool: whether row r allows idx[r, j]."""
-    bits = bits.to(idx.device)
-    return ((bits.gather(1, idx >> 5) >> (idx & 31)) & 1).bool()
-
-
 class TargetStage:
     """logits (R, V) -> Target, through the sampler's processors and the rows' constraint masks."""
 
@@ -114,7 +108,7 @@ class TargetStage:
                  allowed: torch.Tensor | None = None, describe: Callable[[int], str] | None = None) -> Target:
         """logits: (R, V) float32. input_ids: builds the context of every row, called only when a
         processor needs it. allowed: the rows' allowed sets, packed (R, ceil(V / 32)) int32 (see
-        `pipeline.core.constrain`), or None. describe(r): names row r in the error raised when its
+        `pipeline.core.bits`), or None. describe(r): names row r in the error raised when its
         allowed set is empty."""
         scores = logits
         ids = input_ids() if self.needs_input_ids and input_ids is not None else None

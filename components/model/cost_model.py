@@ -1,0 +1,80 @@
+"""The cost model of `model.dtype=auto`: what one decode step's products cost in each precision on
+this machine, and whether each has a batch-invariant kernel here, measured on random matrices of the
+model's shapes (components/model/load.py `resolve_precision` picks by it)."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from components.model import native as native_mod
+from components.model.kernels import dense_kernels, matmul
+from components.model.linear import Int4, quantize_q4
+from components.model.tuner import best_time, machine_parts, min_invariant_rows
+from pipeline.core import atomic_write
+
+def _precision_key(args, device: torch.device, native: bool) -> str:
+    parts = [*machine_parts(device), f"{args.n_layers}x{args.dim}x{args.hidden_dim}x{args.n_heads}x{args.n_kv_heads}",
+             str(args.vocab_size), f"native={native}", "precision-v3"]
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+
+
+@torch.inference_mode()
+def precision_costs(args, candidates: list[str], device: torch.device, cache: Path | None, rows: int = 1,
+                    native: bool = True) -> dict[str, dict]:
+    """Per precision: `ms`, the products of one step of `rows` rows (the run's batch size times its
+    tree's rows: one layer's four matrices scaled to all layers, plus the LM head), on random
+    matrices of the model's shapes with the kernels the model will run (the native ones where built
+    and `native`), what `precision=auto` picks by; and `invariant`, whether every product torch
+    computes has a batch-invariant path here (`min_invariant_rows`; the native products are
+    invariant by construction), without which a tree or a batch in that precision may give other
+    tokens than plain greedy. Seconds per new row count; cached per machine, thread count, model
+    shape and row count."""
+    ops = native_mod.load() if native and device.type == "cpu" else None
+    path = None if cache is None else cache / f"precisions-{_precision_key(args, device, ops is not None)}.json"
+    known = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    todo = [c for c in candidates if f"{c}@{rows}" not in known]
+    qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+    shapes = [(args.dim, qkv), (args.n_heads * args.head_dim, args.dim), (args.dim, 2 * args.hidden_dim),
+              (args.hidden_dim, args.dim)]  # [in, out]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for mode in todo:
+        inv = next((v["invariant"] for k, v in known.items() if k.startswith(f"{mode}@")), None)
+        try:
+            known[f"{mode}@{rows}"] = _precision_cost(mode, args, shapes, device, sync, rows, ops, inv)
+        except RuntimeError:  # this device has no kernel for it (e.g. int4 on an old GPU): not a candidate
+            known[f"{mode}@{rows}"] = {"ms": float("inf"), "invariant": False}
+    if todo and path is not None:
+        atomic_write(path, json.dumps(known))
+    out = {c: {**known[f"{c}@{rows}"], "rows": rows} for c in candidates if known[f"{c}@{rows}"]["ms"] != float("inf")}
+    return out or {"float32": {"ms": 0.0, "invariant": False, "rows": rows}}
+
+
+def _precision_cost(mode: str, args, shapes, device, sync, rows: int, ops, invariant: bool | None) -> dict:
+    """ms of one step's products at `rows` rows in `mode`, and whether each product torch computes
+    has an invariant kernel (float32: never probed, see `tuner.measure`; `invariant`: already known)."""
+    total, probe = 0.0, invariant is None and mode != "float32" and device.type == "cpu"
+    inv = (mode != "float32" and device.type == "cpu") if invariant is None else invariant  # unprobed: not vouched for
+    for k, n in [*shapes, (args.dim, args.vocab_size)]:
+        w = torch.randn(k, n, device=device) * 0.02
+        head = n == args.vocab_size
+        if mode == "q4" and not head:
+            m = Int4(*quantize_q4(w.t().cpu()), device=device)
+            fns, native_product = {"int4": m.product}, False
+            dt = torch.bfloat16
+        else:
+            dt = torch.bfloat16 if mode == "q4" else getattr(torch, mode)
+            wd, wt = w.to(dt), w.t().contiguous().to(dt)
+            native_product = ops is not None and dt == torch.bfloat16 and n % 4 == 0  # as Dense.native_ok
+            if native_product:  # the head's logits stay float32, a layer's outputs are rounded to bfloat16
+                fns = {"native": lambda x, wt=wt, head=head: ops.bf16_mm(x, wt, not head)}
+            else:
+                fns = {kern: (lambda x, kern=kern, wd=wd, wt=wt: matmul(x, wd, wt, kern)) for kern in dense_kernels(dt)}
+        x = torch.randn(rows, k, device=device).to(dt)
+        ms = min(best_time(lambda f=f: (f(x), sync()), reps=3) for f in fns.values()) * 1e3
+        total += ms if head else ms * args.n_layers
+        if probe and inv and not native_product:
+            inv = any(min_invariant_rows(f, k, dt, device) > 0 for f in fns.values())
+    return {"ms": round(total, 3), "invariant": inv}
