@@ -34,7 +34,7 @@ from pipeline.decode import first_divergence, gen_fields, run_requests, summariz
 from pipeline.errors import UserError, one_line_errors
 from pipeline.hf_peer import GENERATE_KNOBS, PEERS, HFPeer, to_hf
 from pipeline import llama_cpp_peer, vllm_peer
-from pipeline.io import run_dir, write_json
+from pipeline.io import hydra_config, run_dir, write_json
 from pipeline.requests import encode, load_requests
 
 DEFAULT_INPUT = Path(__file__).resolve().parent / "prompts" / "bench.jsonl"
@@ -124,11 +124,8 @@ def compose(entry: Entry, common: list[str]) -> DictConfig:
 
 
 def cli_overrides() -> list[str]:
-    from hydra.core.hydra_config import HydraConfig
-    try:
-        return list(HydraConfig.get().overrides.task)
-    except ValueError:  # not inside a Hydra app
-        return []
+    hc = hydra_config()
+    return [] if hc is None else list(hc.overrides.task)
 
 
 def bench(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[dict, dict]:

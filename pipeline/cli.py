@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.errors import _die
+from pipeline.errors import die
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -88,7 +88,7 @@ def check_overrides(argv: list[str], config_name: str) -> None:
             close = difflib.get_close_matches(leaf, known, n=1)
             hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else \
                 f"; known keys here: {', '.join(map(str, known))}" if known else ""
-        _die(f"bad override: {msg}{hint}")
+        die(f"bad override: {msg}{hint}")
 
 
 def check_group_overrides(argv: list[str]) -> None:
@@ -103,4 +103,4 @@ def check_group_overrides(argv: list[str]) -> None:
         for v in value.split(","):
             v = v.strip()
             if v not in known[key] and v != "null":
-                _die(f"unknown {key} {v!r}; known {key} options: {', '.join(known[key])}")
+                die(f"unknown {key} {v!r}; known {key} options: {', '.join(known[key])}")

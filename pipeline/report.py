@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from pipeline.core.io import atomic_write
+from pipeline.io import atomic_write
 from pipeline.errors import UserError, one_line_errors
 
 GREEN, GREY, BLUE, EDGE = "#3aa655", "#d9d9d9", "#4a7fd1", "#9a9a9a"

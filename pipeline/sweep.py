@@ -27,6 +27,8 @@ from pathlib import Path
 import yaml
 from hydra.experimental.callback import Callback
 
+from pipeline.io import atomic_write, write_json  # torch-free: Hydra imports this module in every app
+
 METRICS = ("tokens_per_s", "speedup", "mean_accepted_length", "tree_step_ms", "plain_step_ms")
 # overrides of speculative settings (and of what only names or records a run): a plain job that
 # agrees with a job on every other override is its baseline
@@ -125,13 +127,6 @@ def _fmt(v) -> str:
     if v is None:
         return ""
     return f"{v:.3f}" if isinstance(v, float) else str(v)
-
-
-def atomic_write(path, data):
-    """pipeline.core.io.atomic_write, imported when used: Hydra imports this module (through
-    hydra_plugins/decode_sweepers) in every app it starts, and pipeline.core brings torch."""
-    from pipeline.core.io import atomic_write as write
-    return write(path, data)
 
 
 def to_csv(columns: list[str], table: list[dict]) -> str:
@@ -238,7 +233,6 @@ def write_best(sweep_dir: str | Path, install: bool = False) -> Path | None:
            "mean_accepted_length": best["mean_accepted_length"], "tree": tree,
            "trials": len(ranked)}
     path = sweep_dir / "best.json"
-    from pipeline.io import write_json
     write_json(path, out)
     said = f"{best['speedup']:.2f}x greedy" if best["speedup"] is not None else "no baseline"
     print(f"search: best of {len(ranked)} trials {' '.join(job['override_list'])}: {best['tokens_per_s']:.1f} tokens/s "

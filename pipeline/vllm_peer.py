@@ -78,7 +78,7 @@ def hf_folder(model_cfg, backbone, scratch: Path) -> Path:
     (model.path, or the default model's) written once in bfloat16 under the cache dir, keyed by the
     file's content; any other backbone (model=tiny) written from its weights into `scratch`."""
     from components.model.load import cache_dir, content_key, from_pretrained, smollm2_gguf
-    from pipeline.core.io import atomic_write
+    from pipeline.io import atomic_write
     from pipeline.hf_peer import to_hf
     path = model_cfg.get("path")
     if path and Path(path).expanduser().is_dir():

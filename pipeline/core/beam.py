@@ -30,7 +30,7 @@ import torch
 
 from pipeline.core.constrain import unpack, words
 from pipeline.core.engine import check_prompts, request_grammars
-from pipeline.core.errors import UserError
+from pipeline.errors import UserError
 from pipeline.core.target import TargetStage
 from pipeline.core.types import Generation, StepBatch
 

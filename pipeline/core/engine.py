@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from pipeline.core.constrain import allows, walk_tree, words
-from pipeline.core.errors import UserError
+from pipeline.errors import UserError
 from pipeline.core.target import TargetStage
 from pipeline.core.tree import Tree
 from pipeline.core.types import DecodeState, Generation, StepBatch

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from pipeline.core.constrain import unpack
-from pipeline.core.errors import UserError
+from pipeline.errors import UserError
 
 
 class Target:
