@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -50,10 +51,10 @@ REQUEST_CONSTRAINTS = {"json_schema": ("json_schema", "schema"), "regex": ("rege
 def constraint_node(cfg: DictConfig, request: dict | None = None) -> DictConfig | None:
     """The config node of a constraint: the configured one (`constraint=`), or for a request line that
     brings its own (`"json_schema"`, `"regex"`, `"grammar"`) the node of that kind, with the
-    configured node's options when it is of the same kind (and its add_to_prompt in any case)."""
+    configured node's options when it is of the same kind (and its add_to_prompt in any case; with
+    none configured, `request_constraints_add_to_prompt`)."""
     from pipeline.cli import CONF_DIR
     configured = cfg.get("constraint")
-    configured = configured if configured and configured.get("_target_") else None
     if not request:
         return configured
     if len(request) > 1:
@@ -63,8 +64,9 @@ def constraint_node(cfg: DictConfig, request: dict | None = None) -> DictConfig 
     node = OmegaConf.load(CONF_DIR / "constraint" / f"{group}.yaml")
     if configured is not None and configured.get("_target_") == node.get("_target_"):
         node = configured.copy()
-    elif cfg.get("constraint") and "add_to_prompt" in cfg.constraint:
-        node.add_to_prompt = cfg.constraint.add_to_prompt
+    else:
+        node.add_to_prompt = cfg.get("request_constraints_add_to_prompt", False) if configured is None \
+            else configured.get("add_to_prompt", False)
     node[key] = spec if isinstance(spec, str) else json.dumps(spec)
     return node
 
@@ -125,13 +127,12 @@ def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -
         return engine, backbone
     proposer = component(cfg.get("proposer"), backbone)
     guard = None
-    if proposer is not None and cfg.get("speculation_guard", True):
-        from pipeline.core.guard import SpeculationGuard
+    if proposer is not None and cfg.get("guard") is not None:
         try:
-            guard = SpeculationGuard(**dict(cfg.get("guard") or {}))
-        except (TypeError, ValueError) as e:
-            raise UserError(f"bad guard settings ({e}): guard takes warmup, probe, backoff, max_backoff, "
-                            "decay, margin (pipeline/core/guard.py)") from None
+            guard = component(cfg.guard)
+        except InstantiationException as e:
+            raise UserError(f"bad guard settings ({e.__cause__ or e}): guard takes warmup, probe, backoff, "
+                            "max_backoff, decay, margin (conf/guard/default.yaml)") from None
     engine = Engine(
         model=backbone.model,
         kv=component(cfg.kv, backbone),

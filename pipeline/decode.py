@@ -308,7 +308,7 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
             steps = guard.stats["tree_steps"] + guard.stats["plain_steps"]
             if steps and guard.stats["held_steps"] > steps / 2:
                 print(f"{name}: drafting did not pay in this run ({guard.stats['held_steps']} of {steps} steps plain, "
-                      "paused by the speculation guard); speculation_guard=false always drafts", file=sys.stderr)
+                      "paused by the speculation guard); ~guard always drafts", file=sys.stderr)
         if cfg.get("verify_lossless") and not interrupted:
             try:
                 summary.update(verify_lossless(engine, backbone, cfg, reqs, items, constraint_nodes, grammar_cache))
