@@ -35,7 +35,7 @@ from pipeline.cli import CONF_DIR, check_overrides, compose_config, groups
 from pipeline.decode import build_grammars, request_constraints, run_requests
 from pipeline.errors import UserError, one_line_errors
 from pipeline.hf_peer import GENERATE_KNOBS, PEERS, HFPeer, to_hf
-from pipeline.io import run_dir, write_json
+from pipeline.io import hydra_config, run_dir, write_json
 from pipeline.metrics import first_divergence, gen_fields, summarize
 from pipeline.requests import encode, load_requests
 from pipeline.tracking import log_bench
@@ -127,11 +127,8 @@ def compose(entry: Entry, common: list[str]) -> DictConfig:
 
 
 def cli_overrides() -> list[str]:
-    from hydra.core.hydra_config import HydraConfig  # Hydra's runtime: set only inside an app
-    try:
-        return list(HydraConfig.get().overrides.task)
-    except ValueError:  # not inside a Hydra app
-        return []
+    hc = hydra_config()
+    return [] if hc is None else list(hc.overrides.task)
 
 
 def bench(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[dict, dict]:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import yaml
-from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -17,6 +17,7 @@ from pipeline.cli import CONF_DIR, compose_config, groups
 
 from pipeline.core import Runner, UserError
 from pipeline.core.guard import SpeculationGuard
+from pipeline.io import hydra_config
 
 
 def component(node: DictConfig | None, backbone=None, **kwargs):
@@ -55,9 +56,9 @@ REQUEST_CONSTRAINTS = {"json_schema": ("json_schema", "schema"), "regex": ("rege
 def constraint_node(cfg: DictConfig, request: dict | None = None) -> DictConfig | None:
     """The config node of a constraint: the configured one (`constraint=`), or for a request line that
     brings its own (`"json_schema"`, `"regex"`, `"grammar"`) the node of that kind, with the
-    configured node's options when it is of the same kind (and its add_to_prompt in any case)."""
+    configured node's options when it is of the same kind (and its add_to_prompt in any case; with
+    none configured, `request_constraints_add_to_prompt`)."""
     configured = cfg.get("constraint")
-    configured = configured if configured and configured.get("_target_") else None
     if not request:
         return configured
     if len(request) > 1:
@@ -67,8 +68,9 @@ def constraint_node(cfg: DictConfig, request: dict | None = None) -> DictConfig 
     node = OmegaConf.load(CONF_DIR / "constraint" / f"{group}.yaml")
     if configured is not None and configured.get("_target_") == node.get("_target_"):
         node = configured.copy()
-    elif cfg.get("constraint") and "add_to_prompt" in cfg.constraint:
-        node.add_to_prompt = cfg.constraint.add_to_prompt
+    else:
+        node.add_to_prompt = cfg.get("request_constraints_add_to_prompt", False) if configured is None \
+            else configured.get("add_to_prompt", False)
     node[key] = spec if isinstance(spec, str) else json.dumps(spec)
     return node
 
@@ -143,13 +145,14 @@ def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -
 
 
 def speculation_guard(cfg: DictConfig) -> SpeculationGuard | None:
-    if not cfg.get("speculation_guard", True):
+    """The `guard` group's SpeculationGuard (None: `~guard`, always draft)."""
+    if cfg.get("guard") is None:
         return None
     try:
-        return SpeculationGuard(**dict(cfg.get("guard") or {}))
-    except (TypeError, ValueError) as e:
-        raise UserError(f"bad guard settings ({e}): guard takes warmup, probe, backoff, max_backoff, "
-                        "decay, margin (pipeline/core/guard.py)") from None
+        return component(cfg.guard)
+    except InstantiationException as e:
+        raise UserError(f"bad guard settings ({e.__cause__ or e}): guard takes warmup, probe, backoff, "
+                        "max_backoff, decay, margin (conf/guard/default.yaml)") from None
 
 
 def preset_name(cfg: DictConfig) -> str:
@@ -178,12 +181,10 @@ def component_choice(group: str, node) -> str:
     the conf/<group>/ file with the same class), for naming runs."""
     if node is None:
         return "null"
-    try:
-        choice = HydraConfig.get().runtime.choices.get(group)
-        if choice:
-            return str(choice)
-    except ValueError:
-        pass
+    hc = hydra_config()
+    choice = None if hc is None else hc.runtime.choices.get(group)
+    if choice:
+        return str(choice)
     for f in sorted((CONF_DIR / group).glob("*.yaml")):
         if _pick(OmegaConf.create(yaml.safe_load(f.read_text()) or {})) == _pick(node):
             return f.stem

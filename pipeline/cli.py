@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.errors import _die
+from pipeline.errors import die
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -63,6 +63,10 @@ def compose_config(overrides: list[str], config_name: str = "config") -> DictCon
         return compose(config_name=config_name, overrides=list(overrides))
 
 
+# knobs that became something else: what to type now
+MOVED = {"speculation_guard": "the guard is the `guard` group now: ~guard always drafts, guard.<knob>=... tunes it"}
+
+
 def check_overrides(argv: list[str], config_name: str) -> None:
     """Fail with one line, before Hydra runs, on an unknown component or a knob that does not exist."""
     check_group_overrides(argv)
@@ -79,7 +83,9 @@ def check_overrides(argv: list[str], config_name: str) -> None:
         msg = str(e).split("\n")[0].rstrip(".")
         bad = next((o.split("=", 1)[0].lstrip("+~") for o in overrides if f"'{o.split('=', 1)[0]}'" in msg), None)
         hint = ""
-        if bad is not None:
+        if bad in MOVED:
+            hint = f"; {MOVED[bad]}"
+        elif bad is not None:
             with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
                 base = compose(config_name=config_name)
             parent, _, leaf = bad.rpartition(".")
@@ -88,7 +94,7 @@ def check_overrides(argv: list[str], config_name: str) -> None:
             close = difflib.get_close_matches(leaf, known, n=1)
             hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else \
                 f"; known keys here: {', '.join(map(str, known))}" if known else ""
-        _die(f"bad override: {msg}{hint}")
+        die(f"bad override: {msg}{hint}")
 
 
 def check_group_overrides(argv: list[str]) -> None:
@@ -102,5 +108,8 @@ def check_group_overrides(argv: list[str]) -> None:
             continue
         for v in value.split(","):
             v = v.strip()
-            if v not in known[key] and v != "null":
-                _die(f"unknown {key} {v!r}; known {key} options: {', '.join(known[key])}")
+            if v == "null":  # Hydra takes no null for a group on the command line
+                die(f"{key}=null: drop the {key} group with ~{key} (a group that is null by default needs nothing)")
+            if v not in known[key]:
+                off = f"; ~{key} for none" if v.lower() in ("none", "false", "off") else ""
+                die(f"unknown {key} {v!r}; known {key} options: {', '.join(known[key])}{off}")

@@ -185,7 +185,7 @@ def write(run: _Run, fresh: dict[str, dict], wall: float, interrupted: bool) -> 
         steps = guard["tree_steps"] + guard["plain_steps"]
         if steps and guard["held_steps"] > steps / 2:
             print(f"{run.name}: drafting did not pay in this run ({guard['held_steps']} of {steps} steps plain, "
-                  "paused by the speculation guard); speculation_guard=false always drafts", file=sys.stderr)
+                  "paused by the speculation guard); ~guard always drafts", file=sys.stderr)
     if cfg.get("verify_lossless") and not interrupted:
         try:
             summary.update(verify_lossless(runner, backbone, cfg, reqs, items, run.nodes, run.grammar_cache))

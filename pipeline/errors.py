@@ -1,17 +1,27 @@
-"""User-facing errors: one line naming what was wrong and how to fix it, never a traceback."""
+"""User-facing errors: one line naming what was wrong and how to fix it, never a traceback.
+Torch-free; `pipeline.core` re-exports `UserError` for the components."""
 from __future__ import annotations
 
 import functools
 import sys
+from typing import NoReturn
 
-from pipeline.core.errors import UserError
+__all__ = ["Interrupted", "UserError", "die", "one_line_errors"]
 
-__all__ = ["Interrupted", "UserError", "one_line_errors"]
+
+class UserError(Exception):
+    """Bad input (config, files, prompts). The entry points print it on one line and exit 2."""
 
 
 class Interrupted(UserError):
     """Ctrl-C / SIGTERM after what finished was saved: one line, exit code 130."""
     exit_code = 130
+
+
+def die(msg: str, code: int = 2, prefix: str = "error: ") -> NoReturn:
+    """End the process: `msg` on one stderr line (its whitespace collapsed), exit `code`."""
+    print(f"{prefix}{' '.join(msg.split())}", file=sys.stderr)
+    sys.exit(code)
 
 
 def one_line_errors(fn):
@@ -22,11 +32,11 @@ def one_line_errors(fn):
         try:
             return fn(*a, **kw)
         except Interrupted as e:
-            _die(str(e), e.exit_code, prefix="")
+            die(str(e), e.exit_code, prefix="")
         except UserError as e:
-            _die(str(e))
+            die(str(e))
         except KeyboardInterrupt:
-            _die("interrupted before any request finished: nothing new was written", 130, prefix="")
+            die("interrupted before any request finished: nothing new was written", 130, prefix="")
         except Exception as e:  # Hydra wraps constructor errors in InstantiationException
             root = e
             while root.__cause__ is not None or root.__context__ is not None:
@@ -34,11 +44,6 @@ def one_line_errors(fn):
                     break
                 root = root.__cause__ or root.__context__
             if isinstance(root, (UserError, ValueError)):
-                _die(str(root))
+                die(str(root))
             raise
     return wrapper
-
-
-def _die(msg: str, code: int = 2, prefix: str = "error: "):
-    print(f"{prefix}{' '.join(msg.split())}", file=sys.stderr)
-    sys.exit(code)

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from pipeline import sweep
-from pipeline.core.io import atomic_write
+from pipeline.io import atomic_write
 from pipeline.errors import UserError, one_line_errors
 from pipeline.metrics import depth_acceptance
 

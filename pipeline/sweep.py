@@ -35,7 +35,7 @@ from pipeline.tracking import log_sweep
 METRICS = ("tokens_per_s", "speedup", "mean_accepted_length", "tree_step_ms", "plain_step_ms")
 # overrides of speculative settings (and of what only names or records a run): a plain job that
 # agrees with a job on every other override is its baseline
-SPEC_ONLY = ("decode", "tree", "proposer", "verifier", "speculation_guard", "record_trees", "logger", "threads")
+SPEC_ONLY = ("decode", "tree", "proposer", "verifier", "guard", "record_trees", "logger", "threads")
 
 
 def _key(override: str) -> str:

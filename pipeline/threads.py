@@ -15,7 +15,8 @@ import os
 
 import torch
 
-from pipeline.core import UserError
+from pipeline.errors import UserError
+from pipeline.io import hydra_config
 
 
 def cores() -> int:
@@ -27,13 +28,9 @@ def cores() -> int:
 
 def parallel_jobs() -> int:
     """Jobs of this sweep that run at the same time on this machine (1 outside a joblib sweep)."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-        hc = HydraConfig.get()
-    except (ImportError, ValueError):
-        return 1
-    if hc.mode != RunMode.MULTIRUN or "joblib" not in str(hc.launcher.get("_target_", "")):
+    from hydra.types import RunMode
+    hc = hydra_config()
+    if hc is None or hc.mode != RunMode.MULTIRUN or "joblib" not in str(hc.launcher.get("_target_", "")):
         return 1
     n = hc.launcher.get("n_jobs") or 1
     n = int(n)

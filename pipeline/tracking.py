@@ -15,7 +15,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+
+from pipeline.io import hydra_config
 
 SUMMARY_KEYS = ("tokens_per_s", "mean_accepted_length", "new_tokens", "requests", "steps", "wall_s",
                 "tree_step_ms", "plain_step_ms", "mean_tree_nodes", "mask_us_per_token")
@@ -34,13 +37,8 @@ def _init(cfg: DictConfig, out: Path, name: str, group: str | None, job_type: st
 
 def _sweep_group(out: Path) -> str | None:
     """Jobs of one sweep share a wandb group: the multirun directory's name."""
-    try:
-        from hydra.core.hydra_config import HydraConfig  # Hydra's runtime: only inside an app
-        from hydra.types import RunMode
-        hc = HydraConfig.get()
-        return Path(hc.sweep.dir).name if hc.mode == RunMode.MULTIRUN else None
-    except ValueError:
-        return None
+    hc = hydra_config()
+    return Path(hc.sweep.dir).name if hc is not None and hc.mode == RunMode.MULTIRUN else None
 
 
 def log_decode(cfg: DictConfig, results: dict, out: Path, pictures: list[Path] = ()) -> None:

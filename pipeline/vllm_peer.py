@@ -32,7 +32,7 @@ import torch
 
 from components.model.load import cache_dir, content_key, from_pretrained, smollm2_gguf
 from pipeline.core import Generation, UserError
-from pipeline.core.io import atomic_write
+from pipeline.io import atomic_write
 from pipeline.hf_peer import to_hf
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -39,8 +39,8 @@ def compose_config(overrides: list[str] | tuple[str, ...] = (), config_name: str
     reads when not inside a Hydra app). The speculation guard is off unless asked for: whether it
     pauses drafting depends on timings, and tests pin what they draft."""
     overrides = list(overrides)
-    if config_name in ("config", "bench") and not any(o.startswith("speculation_guard=") for o in overrides):
-        overrides.append("speculation_guard=false")  # tests pin whether trees are drafted, not timings
+    if config_name in ("config", "bench") and not any(o.lstrip("~").split("=")[0] == "guard" for o in overrides):
+        overrides.append("~guard")  # tests pin whether trees are drafted, not timings
     with initialize_config_dir(config_dir=str(pipeline.cli.CONF_DIR), version_base="1.3"):
         cfg = compose(config_name=config_name, overrides=overrides)
     with open_dict(cfg):

@@ -146,15 +146,45 @@ def test_every_option_composes_and_instantiates(group, option, tiny_backbone, ti
         return
     cfg = compose_config(overrides, config_name=primary)
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
-    if (group, option) == ("constraint", "none"):  # no component: every token may come next
-        assert "_target_" not in cfg.constraint and build_engine(cfg, tiny_backbone)[0].constraint is None
-        return
     if group != "decode":
         assert group in cfg, f"{group}={option} composed, but the config has no `{group}` node"
         if cfg[group] is not None and "_target_" not in cfg[group]:
             pytest.fail(f"conf/{group}/{option}.yaml has no _target_")
     obj = instantiate_option(group, option, cfg, tiny_backbone, tiny_heads_checkpoint, tmp_path)
     assert obj is not None
+
+
+def test_absent_components_are_null(tiny_backbone):
+    """No constraint is `constraint: null` (every token may come next); `~guard` drops the guard."""
+    cfg = compose_config(["model=tiny"])
+    assert cfg.get("constraint") is None and "none" not in pipeline.cli.groups()["constraint"]
+    assert build_engine(cfg, tiny_backbone)[0].constraint is None
+    full = compose_config(["model=tiny", "decode=tree_ngram", "guard=default"])
+    assert full.guard._target_ == "pipeline.core.guard.SpeculationGuard"
+    assert build_engine(full, tiny_backbone)[0].guard is not None
+    assert build_engine(compose_config(["model=tiny", "decode=tree_ngram", "~guard"]), tiny_backbone)[0].guard is None
+    # a preset's own guard option gives way to ~guard on the command line
+    assert compose_config(["model=tiny", "decode=tree_eagle", "~guard"]).get("guard") is None
+    steady = compose_config(["model=tiny", "decode=tree_eagle", "guard=steady"]).guard
+    assert (steady.probe, steady.decay, steady.warmup) == (12, 0.9, 2)  # the default's other knobs kept
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["constraint=none"], ["unknown constraint 'none'", "json_schema", "~constraint"]),
+    (["guard=off"], ["unknown guard 'off'", "default", "~guard"]),
+    (["guard=null"], ["guard=null", "~guard"]),
+    (["speculation_guard=false"], ["speculation_guard", "~guard"]),
+])
+def test_old_off_switches_name_the_deletion(argv, words, capsys):
+    """`constraint=none`, `guard=null` (which Hydra refuses for a group) and `speculation_guard=false`
+    fail with one line naming what turns the component off now."""
+    with pytest.raises(SystemExit) as e:
+        pipeline.cli.check_overrides(["model=tiny", *argv], "config")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    for w in words:
+        assert w in err, (w, err)
 
 
 def test_null_proposer_means_plain_decoding(tiny_backbone):
@@ -183,3 +213,28 @@ def test_tiny_config_matches_the_tiny_fixture(tiny_backbone):
     bb = component(compose_config(["model=tiny"]).model)
     for (n, a), (_, b) in zip(bb.model.state_dict().items(), tiny_backbone.model.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+def test_self_spec_layers_default_to_every_second_block_of_the_backbone(tiny_backbone):
+    """`proposer.layers: null` follows the live backbone's depth; slices and lists still pick blocks."""
+    from components.proposer.self_spec import parse_layers
+    n = tiny_backbone.model.args.n_layers
+    cfg = compose_config(["model=tiny", "decode=self_spec"])
+    assert cfg.proposer.layers is None
+    assert build_engine(cfg, tiny_backbone)[0].proposer.layers == list(range(0, n, 2))
+    assert parse_layers(None, 30) == list(range(0, 30, 2)) == parse_layers("0:30:2", 30)
+    assert parse_layers("0:3", 30) == [0, 1, 2] and parse_layers([5, 1], 30) == [1, 5]
+    with pytest.raises(ValueError, match="proposer.layers"):
+        parse_layers("40:50", 30)
+
+
+def test_request_constraints_add_to_prompt_with_no_constraint_configured():
+    """With constraint=null a request line's own constraint takes its add_to_prompt from
+    `request_constraints_add_to_prompt`; a configured constraint of another kind lends its own."""
+    from pipeline.build import constraint_node
+    request = {"regex": "[a-z]+"}
+    assert constraint_node(compose_config(["model=tiny"]), request).add_to_prompt is False
+    node = constraint_node(compose_config(["model=tiny", "request_constraints_add_to_prompt=true"]), request)
+    assert node.add_to_prompt is True and node.pattern == "[a-z]+"
+    node = constraint_node(compose_config(["model=tiny", "constraint=json_schema", "constraint.add_to_prompt=true"]), request)
+    assert node.add_to_prompt is True and node._target_.endswith("Regex")

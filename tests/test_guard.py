@@ -70,7 +70,7 @@ def test_engine_consults_the_guard_and_stays_lossless(tiny_backbone):
     plain, _ = build_engine(compose_config(["decode=greedy", *base]), tiny_backbone)
     ref = plain.generate(ids).token_ids
     for allow in (False, True):
-        engine, _ = build_engine(compose_config(["decode=tree_ngram", *base, "speculation_guard=true"]), tiny_backbone)
+        engine, _ = build_engine(compose_config(["decode=tree_ngram", *base, "guard=default"]), tiny_backbone)
         assert isinstance(engine.guard, SpeculationGuard)
         engine.guard = Scripted(allow)
         gen = engine.generate(ids)
@@ -158,7 +158,7 @@ def test_guard_settings_come_from_the_config(tiny_backbone):
     from conftest import compose_config
     from pipeline.build import build_engine
     from pipeline.errors import UserError
-    base = ["decode=tree_ngram", "model=tiny", "speculation_guard=true"]
+    base = ["decode=tree_ngram", "model=tiny", "guard=default"]
     engine, _ = build_engine(compose_config([*base, "guard.probe=9", "guard.decay=0.8"]), tiny_backbone)
     assert (engine.guard.probe, engine.guard.decay) == (9, 0.8)
     with pytest.raises(UserError, match="guard"):

@@ -65,7 +65,7 @@ def test_loss_is_weighted_cross_entropy_over_valid_targets(tiny_backbone):
     logits = heads(h)
     ref = 0.5 * torch.nn.functional.cross_entropy(logits[0], y[:, 0]) \
         + 0.25 * torch.nn.functional.cross_entropy(logits[1], y[:, 1], ignore_index=-100)
-    torch.testing.assert_close(module.step((h, y), "train"), ref)
+    torch.testing.assert_close(module.loss((h, y), "train"), ref)
 
 
 def test_batched_generation_matches_plain_greedy(tiny_backbone):

@@ -21,22 +21,21 @@ The layer starts as a copy of the backbone's last block (de-quantized), the proj
 """
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from components.heads.medusa import check_fits, draft_lm_weight, select_draft_vocab
+from components.heads import checkpoint
+from components.heads.medusa import draft_lm_weight, select_draft_vocab
 from components.model.linear import Int4
 from components.model.llama import Block, RMSNorm, cached_attention, rope_inv_freq
-from pipeline.core import UserError, atomic_write
+from pipeline.core import UserError
 
-FORMAT = "llm-decode-eagle-v1"
+FORMAT = checkpoint.Format(name="llm-decode-eagle-v1", key="eagle", kind="draft", title="an EAGLE draft",
+                           train="python -m pipeline.train heads=eagle", fix="retrain it", frozen="lm_weight")
 
 
 class EagleDraft(nn.Module):
@@ -176,44 +175,18 @@ class EagleDraft(nn.Module):
         kv.end_step(batch)
         return self.norm(x)[0]
 
-    # --- checkpoints: safetensors only, loaded strictly --------------------------------------------
+    # --- checkpoints: components/heads/checkpoint.py --------------------------------------------
     def save(self, path: str | Path, meta: dict) -> Path:
         """Weights in bfloat16 (half the file; a draft's rounding only moves acceptance, never tokens)."""
-        path = Path(path)
-        tensors = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).contiguous()
-                   for k, v in self.state_dict().items() if k != "lm_weight"}
-        info = {"format": FORMAT, "dim": self.dim, "kind": "eagle", **meta}
-        return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"eagle": json.dumps(info)}))
+        return checkpoint.save(self, path, FORMAT, {"dim": self.dim, "kind": "eagle", **meta}, torch.bfloat16)
 
     @classmethod
     def load(cls, path: str | Path, backbone) -> "EagleDraft":
-        path = Path(path)
-        if not path.is_file():
-            raise UserError(f"draft checkpoint {path} does not exist: train one with `python -m pipeline.train "
-                            "heads=eagle` or pass proposer.checkpoint=<heads.safetensors>")
-        if path.suffix != ".safetensors":
-            raise UserError(f"draft checkpoint {path} must be a .safetensors file (pickled checkpoints are refused)")
-        try:
-            with safe_open(str(path), "pt") as f:
-                meta = f.metadata() or {}
-                info = json.loads(meta.get("eagle", "{}"))
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except Exception as e:
-            raise UserError(f"draft checkpoint {path} is not a readable safetensors file ({e}): retrain it") from None
-        if info.get("format") != FORMAT:
-            kind = "a Medusa head checkpoint (use proposer=medusa)" if "medusa" in meta else f"format {info.get('format')!r}"
-            raise UserError(f"{path} is not an EAGLE draft checkpoint of this project: it is {kind}")
-        args = backbone.model.args
-        check_fits(path, info, backbone, "draft")
-        if "vocab_ids" not in tensors:
-            raise UserError(f"draft checkpoint {path} has no vocab_ids tensor: retrain it")
+        info, tensors = checkpoint.read(path, FORMAT, backbone,
+                                        others={"medusa": "a Medusa head checkpoint (use proposer=medusa)"})
         vocab_ids = tensors["vocab_ids"]
-        draft = cls(args, vocab_ids, draft_lm_weight(backbone, vocab_ids), backbone_embedding(backbone))
-        missing, unexpected = draft.load_state_dict(tensors, strict=False)
-        missing = [k for k in missing if k != "lm_weight"]  # the backbone's own head, not stored
-        if missing or unexpected:
-            raise UserError(f"draft checkpoint {path} is incomplete or foreign: missing tensors {missing or 'none'}, "
-                            f"unexpected {unexpected or 'none'}; retrain it")
+        draft = cls(backbone.model.args, vocab_ids, draft_lm_weight(backbone, vocab_ids), backbone_embedding(backbone))
+        checkpoint.load_state(draft, tensors, path, FORMAT)
         draft.info = info
         return draft.to(backbone.model.device).eval().requires_grad_(False)
 

@@ -13,19 +13,17 @@ correctness, and a 49k-row projection per head per step is what makes heads slow
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from components.model.linear import Int4
-from pipeline.core import UserError, atomic_write
+from components.heads import checkpoint
 
-FORMAT = "llm-decode-medusa-v1"
+FORMAT = checkpoint.Format(name="llm-decode-medusa-v1", key="medusa", kind="head", title="a Medusa head",
+                           train="python -m pipeline.train", fix="re-export or retrain it", frozen="shared_weight")
 
 
 class ResBlock(nn.Module):
@@ -107,57 +105,21 @@ class MedusaHeads(nn.Module):
         """How the projection decodes: q4 after quantize_for_decoding, else float32."""
         return "float32" if self._infer_q4 is None else "q4"
 
-    # --- checkpoints: safetensors only, never pickle -------------------------------------------
+    # --- checkpoints: components/heads/checkpoint.py --------------------------------------------
     def save(self, path: str | Path, meta: dict) -> Path:
-        path = Path(path)
-        tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items() if k != "shared_weight"}
-        info = {"format": FORMAT, "dim": self.dim, "num_heads": self.num_heads, "num_layers": self.num_layers,
+        info = {"dim": self.dim, "num_heads": self.num_heads, "num_layers": self.num_layers,
                 "lm_head": self.lm_head_mode, **meta}
-        return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"medusa": json.dumps(info)}))
+        return checkpoint.save(self, path, FORMAT, info)
 
     @classmethod
     def load(cls, path: str | Path, backbone) -> "MedusaHeads":
-        path = Path(path)
-        if not path.is_file():
-            raise UserError(f"head checkpoint {path} does not exist: train one with `python -m pipeline.train` "
-                            "or pass proposer.checkpoint=<heads.safetensors>")
-        if path.suffix != ".safetensors":
-            raise UserError(f"head checkpoint {path} must be a .safetensors file (pickled checkpoints are refused)")
-        try:
-            with safe_open(str(path), "pt") as f:
-                info = json.loads((f.metadata() or {}).get("medusa", "{}"))
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except Exception as e:  # safetensors raises its own error types on a damaged file
-            raise UserError(f"head checkpoint {path} is not a readable safetensors file ({e}): "
-                            "re-export or retrain it") from None
-        if info.get("format") != FORMAT:
-            raise UserError(f"{path} is not a Medusa head checkpoint of this project (format {info.get('format')!r})")
-        check_fits(path, info, backbone, "head")
-        if "vocab_ids" not in tensors:
-            raise UserError(f"head checkpoint {path} has no vocab_ids tensor: re-export or retrain it")
+        info, tensors = checkpoint.read(path, FORMAT, backbone)
         vocab_ids = tensors["vocab_ids"]
         heads = cls(info["dim"], info["num_heads"], info["num_layers"], info["lm_head"], vocab_ids,
                     draft_lm_weight(backbone, vocab_ids))
-        missing, unexpected = heads.load_state_dict(tensors, strict=False)
-        missing = [k for k in missing if k != "shared_weight"]  # the backbone's own head, not stored
-        if missing or unexpected:
-            raise UserError(f"head checkpoint {path} does not match its own header: missing tensors "
-                            f"{missing or 'none'}, unexpected {unexpected or 'none'}; re-export or retrain it")
+        checkpoint.load_state(heads, tensors, path, FORMAT)
         heads.info = info
         return heads.to(backbone.model.device).eval().requires_grad_(False)
-
-
-def check_fits(path: Path, info: dict, backbone, kind: str) -> None:
-    """A checkpoint's header against the backbone it is loaded onto: hidden size, vocabulary and
-    fingerprint (Medusa heads and EAGLE drafts alike; `kind` names it in the error)."""
-    args = backbone.model.args
-    if info["dim"] != args.dim or info.get("vocab_size") != args.vocab_size:
-        raise UserError(f"{kind} checkpoint {path} was trained for hidden size {info['dim']} / vocab "
-                        f"{info.get('vocab_size')}, but the backbone has {args.dim} / {args.vocab_size}: "
-                        f"use {kind}s trained on this backbone")
-    if info.get("fingerprint") not in (None, backbone.model.fingerprint()):
-        raise UserError(f"{kind} checkpoint {path} was trained on another backbone "
-                        f"({info.get('fingerprint')} != {backbone.model.fingerprint()}): retrain for this model")
 
 
 def draft_lm_weight(backbone, vocab_ids: torch.Tensor) -> torch.Tensor:

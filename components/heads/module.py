@@ -1,5 +1,6 @@
-"""The LightningModules that train draft heads on a frozen backbone's hidden states: Medusa heads
-(k-shifted weighted cross-entropy) and an EAGLE draft (feature regression + cross-entropy)."""
+"""The LightningModules that train draft heads on a frozen backbone's hidden states: one base
+(`HeadModule`: optimizer, schedule, steps, logging) and each head's loss: Medusa heads (k-shifted
+weighted cross-entropy) and an EAGLE draft (feature regression + cross-entropy)."""
 from __future__ import annotations
 
 import lightning as L
@@ -19,7 +20,51 @@ def head_weights(num_heads: int, decay: float = 0.8, weights: list[float] | None
     return [decay ** k for k in range(1, num_heads + 1)]
 
 
-class MedusaModule(L.LightningModule):
+class HeadModule(L.LightningModule):
+    """What training any draft head shares: the heads, their optimizer and schedule, the map from
+    backbone token ids to draft-vocabulary ids, and Lightning's steps. A subclass defines
+    `loss(batch, split)`: the batch's loss, logging its own terms through `metric`."""
+
+    def __init__(self, heads, optimizer, scheduler=None):
+        super().__init__()
+        self.heads = heads
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        vocab = int(heads.vocab_ids.max()) + 1
+        lookup = torch.full((max(vocab, 1),), -100, dtype=torch.long)
+        lookup[heads.vocab_ids] = torch.arange(heads.vocab_ids.numel())
+        self.register_buffer("to_draft", lookup, persistent=False)
+
+    def draft_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """Backbone token ids -> draft-vocabulary ids, -100 for padding and tokens outside it (same shape)."""
+        inside = (targets >= 0) & (targets < self.to_draft.numel())
+        return torch.where(inside, self.to_draft[targets.clamp(0, self.to_draft.numel() - 1)], -100)
+
+    def loss(self, batch, split: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def metric(self, split: str, name: str, value, per_step: bool = False) -> None:
+        """Log `split/name`, averaged over the epoch (and also per training step with per_step)."""
+        self.log(f"{split}/{name}", value, on_step=per_step and split == "train", on_epoch=True, sync_dist=True)
+
+    def _step(self, batch, split: str) -> torch.Tensor:
+        loss = self.loss(batch, split)
+        self.log(f"{split}/loss", loss, prog_bar=True, on_step=split == "train", on_epoch=True, sync_dist=True)
+        return loss
+
+    def training_step(self, batch, batch_idx):
+        return self._step(batch, "train")
+
+    def validation_step(self, batch, batch_idx):
+        self._step(batch, "val")
+
+    def configure_optimizers(self):
+        opt = self.optimizer_factory(params=[p for p in self.parameters() if p.requires_grad])
+        if self.scheduler_factory is None:
+            return opt
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer=opt), "interval": "step"}}
+
+
+class MedusaModule(HeadModule):
     """loss = sum_k w_k * CE(head_k(h_t), y_{t+1+k}), k = 1..K, over response positions only.
 
     Offset convention: see components/heads/medusa.py (backbone head -> t+1, head k -> t+1+k). A
@@ -30,20 +75,10 @@ class MedusaModule(L.LightningModule):
 
     def __init__(self, heads: MedusaHeads, optimizer, scheduler=None, decay: float = 0.8,
                  weights: list[float] | None = None):
-        super().__init__()
-        self.heads = heads
-        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        super().__init__(heads, optimizer, scheduler)
         self.w = head_weights(heads.num_heads, decay, weights)
-        vocab = int(heads.vocab_ids.max()) + 1
-        lookup = torch.full((max(vocab, 1),), -100, dtype=torch.long)
-        lookup[heads.vocab_ids] = torch.arange(heads.vocab_ids.numel())
-        self.register_buffer("to_draft", lookup, persistent=False)
 
-    def draft_targets(self, targets: torch.Tensor) -> torch.Tensor:
-        inside = (targets >= 0) & (targets < self.to_draft.numel())
-        return torch.where(inside, self.to_draft[targets.clamp(0, self.to_draft.numel() - 1)], -100)
-
-    def step(self, batch, split: str):
+    def loss(self, batch, split: str) -> torch.Tensor:
         hidden, targets = batch
         logits = self.heads(hidden.float())  # (K, B, V')
         dt = self.draft_targets(targets)  # (B, K)
@@ -57,23 +92,10 @@ class MedusaModule(L.LightningModule):
             top5 = logits[k].topk(5, dim=-1).indices  # (B, 5)
             hit5 = (top5 == dt[:, k:k + 1]).any(-1) & valid & (dt[:, k] >= 0)
             hit1 = (top5[:, 0] == dt[:, k]) & valid & (dt[:, k] >= 0)
-            self.log(f"{split}/head{k + 1}_loss", ce, on_step=split == "train", on_epoch=True, sync_dist=True)
-            self.log(f"{split}/head{k + 1}_top1", hit1.sum() / n, on_epoch=True, on_step=False, sync_dist=True)
-            self.log(f"{split}/head{k + 1}_top5", hit5.sum() / n, on_epoch=True, on_step=False, sync_dist=True)
-        self.log(f"{split}/loss", loss, prog_bar=True, on_step=split == "train", on_epoch=True, sync_dist=True)
+            self.metric(split, f"head{k + 1}_loss", ce, per_step=True)
+            self.metric(split, f"head{k + 1}_top1", hit1.sum() / n)
+            self.metric(split, f"head{k + 1}_top5", hit5.sum() / n)
         return loss
-
-    def training_step(self, batch, batch_idx):
-        return self.step(batch, "train")
-
-    def validation_step(self, batch, batch_idx):
-        self.step(batch, "val")
-
-    def configure_optimizers(self):
-        opt = self.optimizer_factory(params=[p for p in self.parameters() if p.requires_grad])
-        if self.scheduler_factory is None:
-            return opt
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer=opt), "interval": "step"}}
 
 
 def warmup_cosine(optimizer, total_steps: int, warmup_steps: int = 50, min_ratio: float = 0.05):
@@ -91,7 +113,7 @@ def warmup_cosine(optimizer, total_steps: int, warmup_steps: int = 50, min_ratio
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-class EagleModule(L.LightningModule):
+class EagleModule(HeadModule):
     """The EAGLE draft's loss on whole answers. At position t the draft reads (f_t, y_{t+1}) and
     predicts f_{t+1}; per depth, loss = smooth-L1(f_hat_{t+1}, f_{t+1}) + ce_weight x CE over the draft
     vocabulary of y_{t+2} from f_hat_{t+1}. unroll = 1 is EAGLE-1 (teacher-forced); unroll = D > 1 is
@@ -107,24 +129,18 @@ class EagleModule(L.LightningModule):
 
     def __init__(self, heads, optimizer, scheduler=None, ce_weight: float = 0.1, noise: float = 0.1,
                  unroll: int = 1, unroll_decay: float = 0.8, eval_depth: int = 5):
-        super().__init__()
+        super().__init__(heads, optimizer, scheduler)
         if ce_weight < 0 or noise < 0:
             raise ValueError(f"`module.ce_weight` and `module.noise` must be >= 0, got {ce_weight}, {noise}")
         if not isinstance(unroll, int) or unroll < 1 or not isinstance(eval_depth, int) or eval_depth < 1:
             raise ValueError(f"`module.unroll` and `module.eval_depth` must be positive ints, got {unroll}, {eval_depth}")
         if not 0 < unroll_decay <= 1:
             raise ValueError(f"`module.unroll_decay` must be in (0, 1], got {unroll_decay}")
-        self.heads = heads
-        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.ce_weight, self.noise = float(ce_weight), float(noise)
         self.unroll, self.eval_depth = unroll, eval_depth
         self.w = [unroll_decay ** j for j in range(unroll)]
-        vocab = int(heads.vocab_ids.max()) + 1
-        lookup = torch.full((max(vocab, 1),), -100, dtype=torch.long)
-        lookup[heads.vocab_ids] = torch.arange(heads.vocab_ids.numel())
-        self.register_buffer("to_draft", lookup, persistent=False)
 
-    def step(self, batch, split: str):
+    def loss(self, batch, split: str) -> torch.Tensor:
         hidden, tokens = batch[0], batch[1]
         hidden = hidden.float()
         f_in, y_in = hidden[:, :-1], tokens[:, :-1].clamp(min=0)  # (f_t, y_{t+1})
@@ -139,9 +155,7 @@ class EagleModule(L.LightningModule):
             f_in = f_in + (torch.rand_like(f_in) - 0.5) * 2 * self.noise * rms
         depth = self.unroll if self.training else max(self.unroll, self.eval_depth)
         preds = self.heads.unrolled(f_in, y_in, depth) if depth > 1 else [self.heads(f_in, y_in)]
-        inside = valid & (y_next < self.to_draft.numel())
-        dt = torch.where(inside, self.to_draft[y_next.clamp(0, self.to_draft.numel() - 1)], -100)
-        on_step = split == "train"
+        dt = torch.where(valid, self.draft_targets(y_next), -100)
         loss, chain, alive = 0.0, None, None
         for j, pred in enumerate(preds):
             ok = valid & (q >= first + j)  # queries on a chain (started at q - j, in the answer) with a target
@@ -153,15 +167,15 @@ class EagleModule(L.LightningModule):
                 ce = torch.nan_to_num(F.cross_entropy(logits[sel], dt[sel])) if sel.any() else logits.sum() * 0
                 loss = loss + self.w[j] * (reg + self.ce_weight * ce)
                 if j == 0:
-                    self.log(f"{split}/feature_loss", reg, on_step=on_step, on_epoch=True, sync_dist=True)
-                    self.log(f"{split}/ce", ce, on_step=on_step, on_epoch=True, sync_dist=True)
+                    self.metric(split, "feature_loss", reg, per_step=True)
+                    self.metric(split, "ce", ce, per_step=True)
             with torch.no_grad():
                 top5 = logits.topk(5, dim=-1).indices
                 hit = (top5[..., 0] == dt) & sel
                 if j == 0:
                     hit5 = ((top5 == dt[..., None]).any(-1) & sel).sum() / n
-                    self.log(f"{split}/head1_top1", hit.sum() / n, on_step=False, on_epoch=True, sync_dist=True)
-                    self.log(f"{split}/head1_top5", hit5, on_step=False, on_epoch=True, sync_dist=True)
+                    self.metric(split, "head1_top1", hit.sum() / n)
+                    self.metric(split, "head1_top5", hit5)
                     alive, chain, starts = hit.clone(), 1.0 + hit.float(), valid
                 else:
                     by_start = torch.zeros_like(hit)
@@ -169,19 +183,8 @@ class EagleModule(L.LightningModule):
                     alive = alive & by_start
                     chain = chain + alive.float()
                 if not self.training:
-                    self.log(f"{split}/depth{j + 1}_top1", hit.sum() / n, on_step=False, on_epoch=True, sync_dist=True)
+                    self.metric(split, f"depth{j + 1}_top1", hit.sum() / n)
         loss = loss / sum(self.w)
         if not self.training and chain is not None:
-            self.log(f"{split}/chain", (chain * starts).sum() / starts.sum().clamp(min=1), on_step=False,
-                     on_epoch=True, sync_dist=True)
-        self.log(f"{split}/loss", loss, prog_bar=True, on_step=on_step, on_epoch=True, sync_dist=True)
+            self.metric(split, "chain", (chain * starts).sum() / starts.sum().clamp(min=1))
         return loss
-
-    def training_step(self, batch, batch_idx):
-        return self.step(batch, "train")
-
-    def validation_step(self, batch, batch_idx):
-        self.step(batch, "val")
-
-    def configure_optimizers(self):
-        return MedusaModule.configure_optimizers(self)

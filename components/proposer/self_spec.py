@@ -14,7 +14,10 @@ from pipeline.core import DecodeState, Proposer, StepBatch, Tree
 
 
 def parse_layers(spec, n_layers: int) -> list[int]:
-    """A list of block indices, or a slice string like "0:12" or "0:30:2"."""
+    """A list of block indices, a slice string like "0:12" or "::2", or None: every second block of
+    the backbone (0, 2, 4, ...), whatever its depth."""
+    if spec is None:
+        return list(range(0, n_layers, 2))
     if isinstance(spec, str):
         parts = [int(p) if p else None for p in spec.split(":")]
         layers = list(range(n_layers))[slice(*parts)]
@@ -26,7 +29,7 @@ def parse_layers(spec, n_layers: int) -> list[int]:
 
 
 class SelfSpecProposer(Proposer):
-    def __init__(self, backbone, layers="0:12", depth: int = 4, width: int = 1, min_prob: float = 0.0):
+    def __init__(self, backbone, layers=None, depth: int = 4, width: int = 1, min_prob: float = 0.0):
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"`proposer.depth` must be a positive int, got {depth}")
         if not isinstance(width, int) or width < 1:

@@ -1,8 +1,8 @@
 """The core: the types and interfaces every component implements or reads, the target-distribution
 stage, and the engine that runs the step loop over many sequences. Components import from here and
 nowhere else in `pipeline`; the core names no concrete component."""
-from pipeline.core.errors import UserError
-from pipeline.core.io import append_jsonl, atomic_write, write_json
+from pipeline.errors import UserError
+from pipeline.io import append_jsonl, atomic_write, write_json
 from pipeline.core.tree import StaticTree, Tree, dynamic_tree
 from pipeline.core.types import Accepted, DecodeState, Generation, StepBatch
 from pipeline.core.target import Target, TargetStage

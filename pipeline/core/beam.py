@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.core.bits import words
-from pipeline.core.errors import UserError
+from pipeline.errors import UserError
 from pipeline.core.runner import Request, Runner, check_positive
 from pipeline.core.target import TargetStage
 from pipeline.core.types import Generation, StepBatch

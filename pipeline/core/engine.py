@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.core.errors import UserError
+from pipeline.errors import UserError
 from pipeline.core.masks import StepConstraints
 from pipeline.core.runner import Request, Runner
 from pipeline.core.target import TargetStage

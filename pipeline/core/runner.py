@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from pipeline.core.errors import UserError
+from pipeline.errors import UserError
 from pipeline.core.types import Generation
 
 

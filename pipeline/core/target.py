@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from pipeline.core.bits import allows, unpack
-from pipeline.core.errors import UserError
+from pipeline.errors import UserError
 
 
 class Target:
