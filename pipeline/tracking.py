@@ -8,7 +8,7 @@ grouped with its jobs. Runs are written under `<run dir>/wandb/` (offline: `wand
 them later).
 
 A sink: it is handed results, rows and the paths of pictures already drawn (by decode, bench and
-the sweep callback), and imports nothing of the project.
+the sweep callback); of the project it imports only the Hydra-runtime helper of pipeline.io.
 """
 from __future__ import annotations
 
