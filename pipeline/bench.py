@@ -30,10 +30,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from components.model.load import smollm2_gguf
 from pipeline import llama_cpp_peer, threads, vllm_peer
-from pipeline.build import build_engine, component, model_key, needs_invariance, positive_int, step_rows
+from pipeline.build import build_engine, component, model_key, needs_invariance, step_rows
 from pipeline.cli import CONF_DIR, check_overrides, compose_config, groups
 from pipeline.decode import build_grammars, request_constraints, run_requests
-from pipeline.errors import UserError, one_line_errors
+from pipeline.errors import UserError, one_line_errors, positive_int
 from pipeline.hf_peer import GENERATE_KNOBS, PEERS, HFPeer, to_hf
 from pipeline.io import hydra_config, run_dir, write_json
 from pipeline.metrics import first_divergence, gen_fields, summarize
@@ -134,9 +134,7 @@ def cli_overrides() -> list[str]:
 def bench(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[dict, dict]:
     """`overrides`: the bench's command-line overrides (default: read from Hydra)."""
     given = cli_overrides() if overrides is None else list(overrides)
-    repeats = cfg.repeats
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats <= 0:
-        raise UserError(f"repeats must be a positive int, got {repeats}")
+    repeats = positive_int(cfg.repeats, "repeats")
     entries = parse_entries(cfg.decodes)
     reqs = load_requests(None if cfg.get("prompt") is not None else str(cfg.get("input") or DEFAULT_INPUT),
                          cfg.get("prompt"))
@@ -195,21 +193,21 @@ def build_pipelines(entries: list[Entry], common: list[str], reqs, out_dir: Path
         bb = backbones[key]
         if e.name == "llama_cpp":
             path = Path(pcfg.model.path).expanduser() if pcfg.model.get("path") else smollm2_gguf()
-            runner = llama_cpp_peer.LlamaCppPeer(path, bb.eos_ids, positive_int(pcfg, "max_new_tokens"),
+            runner = llama_cpp_peer.LlamaCppPeer(path, bb.eos_ids, positive_int(pcfg.max_new_tokens, "max_new_tokens"),
                                                  n_ctx=min(bb.model.args.max_seq_len, 4096),
-                                                 batch_size=positive_int(pcfg, "batch_size"))
+                                                 batch_size=positive_int(pcfg.batch_size, "batch_size"))
         elif e.name == "vllm":
             runner = vllm_peer.VllmPeer(vllm_peer.hf_folder(pcfg.model, bb, out_dir), bb.eos_ids,
-                                        positive_int(pcfg, "max_new_tokens"), bb.model.args.max_seq_len,
-                                        batch_size=positive_int(pcfg, "batch_size"), speculative=vllm_speculation(e),
+                                        positive_int(pcfg.max_new_tokens, "max_new_tokens"), bb.model.args.max_seq_len,
+                                        batch_size=positive_int(pcfg.batch_size, "batch_size"), speculative=vllm_speculation(e),
                                         log_path=out_dir / (e.label.replace(" ", "_").replace("/", "_") + ".log"))
         elif e.name in PEERS:
             if key not in hf_models:
                 hf_models[key] = to_hf(bb)
             knobs = {**PEERS[e.name], **{_key(o): yaml.safe_load(o.split("=", 1)[1])
                                          for o in e.overrides if _key(o) in GENERATE_KNOBS}}
-            runner = HFPeer(hf_models[key], bb.eos_ids, positive_int(pcfg, "max_new_tokens"), seed=int(pcfg.seed),
-                            batch_size=positive_int(pcfg, "batch_size"), **knobs)
+            runner = HFPeer(hf_models[key], bb.eos_ids, positive_int(pcfg.max_new_tokens, "max_new_tokens"), seed=int(pcfg.seed),
+                            batch_size=positive_int(pcfg.batch_size, "batch_size"), **knobs)
         else:
             runner, _ = build_engine(pcfg, bb)
             if pcfg.get("request_constraints", True) and any(r.constraint for r in reqs):
@@ -223,7 +221,7 @@ def build_pipelines(entries: list[Entry], common: list[str], reqs, out_dir: Path
                     raise UserError(f"request {r.id}: prompt is {len(ids)} tokens, the model's context is "
                                     f"{limit}: shorten it")
         seeds = [int(pcfg.seed) + k for k in range(len(reqs))]
-        pipes.append(Pipeline(e, runner, bb, encoded[tkey], seeds, positive_int(pcfg, "batch_size")))
+        pipes.append(Pipeline(e, runner, bb, encoded[tkey], seeds, positive_int(pcfg.batch_size, "batch_size")))
     return pipes, list(backbones.values())
 
 

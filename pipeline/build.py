@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.cli import CONF_DIR, compose_config, groups
 
-from pipeline.core import Runner, UserError
+from pipeline.core import Runner, UserError, positive_int
 from pipeline.core.guard import SpeculationGuard
 from pipeline.io import hydra_config
 
@@ -29,13 +29,6 @@ def component(node: DictConfig | None, backbone=None, **kwargs):
 
 def model_key(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg.model, resolve=True)
-
-
-def positive_int(cfg: DictConfig, key: str) -> int:
-    v = OmegaConf.select(cfg, key)
-    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise UserError(f"{key} must be a positive int, got {v!r}")
-    return v
 
 
 def check_paths(cfg: DictConfig) -> None:
@@ -121,7 +114,7 @@ def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -
     """Returns (runner, backbone): the configured runner (`runner=`) with its components. Pass
     `backbone` to reuse one already loaded (benchmarks). with_constraint=False leaves the configured
     constraint out (the caller passes each request's)."""
-    mnt, batch = positive_int(cfg, "max_new_tokens"), positive_int(cfg, "batch_size")
+    mnt, batch = positive_int(cfg.max_new_tokens, "max_new_tokens"), positive_int(cfg.batch_size, "batch_size")
     check_paths(cfg)
     if with_constraint:
         check_constraint(constraint_node(cfg))

@@ -6,16 +6,25 @@ import functools
 import sys
 from typing import NoReturn
 
-__all__ = ["Interrupted", "UserError", "die", "one_line_errors"]
+__all__ = ["Interrupted", "UserError", "die", "one_line_errors", "positive_int"]
 
 
-class UserError(Exception):
-    """Bad input (config, files, prompts). The entry points print it on one line and exit 2."""
+class UserError(ValueError):
+    """Bad input (config, files, prompts). The entry points print it on one line and exit 2. A
+    ValueError, as a constructor's validation error is: what catches one catches the other."""
 
 
 class Interrupted(UserError):
     """Ctrl-C / SIGTERM after what finished was saved: one line, exit code 130."""
     exit_code = 130
+
+
+def positive_int(value, name: str) -> int:
+    """`value` when it is a positive int (a bool is not), else a UserError naming `name`: the one
+    check behind every count a user sets (max_new_tokens, batch_size, tree.depth, heads.num_heads ...)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UserError(f"{name} must be a positive int, got {value!r}")
+    return value
 
 
 def die(msg: str, code: int = 2, prefix: str = "error: ") -> NoReturn:

@@ -16,7 +16,7 @@ import time
 import torch
 
 from components.model.llama import LlamaArgs
-from pipeline.core import Generation, UserError
+from pipeline.core import Generation, UserError, positive_int
 
 # peer name -> its `generate` knobs unless the bench entry overrides them
 PEERS: dict[str, dict] = {
@@ -111,9 +111,7 @@ class HFPeer:
     def __init__(self, hf_model, eos_ids: list[int], max_new_tokens: int, seed: int = 0, batch_size: int = 1,
                  **generate_kwargs):
         from transformers import GenerationConfig
-        for name, v in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise UserError(f"{name} must be a positive int, got {v}")
+        positive_int(max_new_tokens, "max_new_tokens"), positive_int(batch_size, "batch_size")
         unknown = set(generate_kwargs) - set(GENERATE_KNOBS)
         if unknown:
             raise UserError(f"unknown peer knob(s) {sorted(unknown)}; known: {', '.join(GENERATE_KNOBS)}")

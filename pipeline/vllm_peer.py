@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from components.model.load import cache_dir, content_key, from_pretrained, smollm2_gguf
-from pipeline.core import Generation, UserError
+from pipeline.core import Generation, UserError, positive_int
 from pipeline.io import atomic_write
 from pipeline.hf_peer import to_hf
 
@@ -68,8 +68,8 @@ def speculative_config(knobs: dict) -> dict | None:
         raise UserError(f"vllm speculative={method!r} is not supported: give speculative=ngram (or none)")
     cfg = {"method": "ngram", **NGRAM_DEFAULTS, **{k: v for k, v in knobs.items() if k != "speculative"}}
     for k, v in cfg.items():
-        if k != "method" and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
-            raise UserError(f"vllm {k} must be a positive int, got {v!r}")
+        if k != "method":
+            positive_int(v, f"vllm {k}")
     if cfg.get("prompt_lookup_min", 1) > cfg["prompt_lookup_max"]:
         raise UserError(f"vllm prompt_lookup_min={cfg['prompt_lookup_min']} is above prompt_lookup_max="
                         f"{cfg['prompt_lookup_max']}: lower it")
@@ -111,9 +111,7 @@ class VllmPeer:
     def __init__(self, model_dir: Path, eos_ids: list[int], max_new_tokens: int, max_model_len: int,
                  batch_size: int = 1, speculative: dict | None = None, threads: int | None = None,
                  python: Path | None = None, worker: Path | None = None, log_path: Path | None = None):
-        for name, v in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise UserError(f"{name} must be a positive int, got {v}")
+        positive_int(max_new_tokens, "max_new_tokens"), positive_int(batch_size, "batch_size")
         python = Path(python or VENV_PYTHON)
         if not python.is_file():
             raise UserError(f"vllm is not installed ({python} is missing): {INSTALL_HINT}")

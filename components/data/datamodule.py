@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from components.data.self_distill import DistillSet, build_self_distill
+from pipeline.core import positive_int
 
 
 def head_targets(ds: DistillSet, num_heads: int) -> torch.Tensor:
@@ -62,8 +63,7 @@ class DistillDataModule(L.LightningDataModule):
         super().__init__()
         if not 0 < val_fraction < 1:
             raise ValueError(f"`data.val_fraction` must be in (0, 1), got {val_fraction}")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"`data.batch_size` must be a positive int, got {batch_size}")
+        positive_int(batch_size, "data.batch_size")
         self.backbone, self.num_heads = backbone, num_heads
         self.gen_kw = dict(max_samples=max_samples, max_new_tokens=max_new_tokens, batch_size=gen_batch_size,
                            prompt_seed=prompt_seed, root=root, chat=chat, context=bool(context))

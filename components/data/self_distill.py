@@ -33,7 +33,7 @@ from components.data.prompts import prompt_filter, training_prompts
 from components.kv.contiguous import ContiguousKV
 from components.kv.paged import PagedKV
 from components.sampler.logits import Sampler
-from pipeline.core import Engine, StepBatch, UserError, atomic_write, encode_chat
+from pipeline.core import Engine, StepBatch, UserError, atomic_write, encode_chat, positive_int
 
 
 @dataclass
@@ -114,8 +114,7 @@ def build_self_distill(backbone, max_samples: int = 2000, max_new_tokens: int = 
     generates only the new ones and a smaller request reads a prefix. Answers are saved in parts of
     `save_every` x `batch_size` prompts, so an interrupted job resumes where it stopped."""
     for name, v in (("max_samples", max_samples), ("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"`data.{name}` must be a positive int, got {v}")
+        positive_int(v, f"data.{name}")
     config = {"model": backbone.name, "fingerprint": backbone.model.fingerprint(), "precision": backbone.precision,
               "max_new_tokens": max_new_tokens, "prompt_seed": prompt_seed, "chat": chat, "decoding": "greedy",
               "prompt_filter": prompt_filter()}

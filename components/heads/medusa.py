@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from components.model.linear import Int4
 from components.heads import checkpoint
+from pipeline.core import positive_int
 
 FORMAT = checkpoint.Format(name="llm-decode-medusa-v1", key="medusa", kind="head", title="a Medusa head",
                            train="python -m pipeline.train", fix="re-export or retrain it", frozen="shared_weight")
@@ -43,9 +44,7 @@ class MedusaHeads(nn.Module):
         """vocab_ids: (V',) the draft vocabulary as backbone token ids; lm_weight: (V', dim) the backbone
         LM head rows for them (frozen buffer when shared, initial value of each copy otherwise)."""
         super().__init__()
-        for name, v in (("num_heads", num_heads), ("num_layers", num_layers)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"`heads.{name}` must be a positive int, got {v}")
+        positive_int(num_heads, "heads.num_heads"), positive_int(num_layers, "heads.num_layers")
         if lm_head not in ("shared", "copy"):
             raise ValueError(f"`heads.lm_head` must be 'shared' or 'copy', got {lm_head!r}")
         if vocab_ids is None or lm_weight is None or lm_weight.shape != (vocab_ids.numel(), dim):

@@ -3,11 +3,14 @@
 weighted cross-entropy) and an EAGLE draft (feature regression + cross-entropy)."""
 from __future__ import annotations
 
+import math
+
 import lightning as L
 import torch
 import torch.nn.functional as F
 
 from components.heads.medusa import MedusaHeads
+from pipeline.core import positive_int
 
 
 def head_weights(num_heads: int, decay: float = 0.8, weights: list[float] | None = None) -> list[float]:
@@ -101,9 +104,7 @@ class MedusaModule(HeadModule):
 def warmup_cosine(optimizer, total_steps: int, warmup_steps: int = 50, min_ratio: float = 0.05):
     """Linear warm-up, then cosine decay to min_ratio x lr at total_steps. A LambdaLR, so a resumed
     run with a larger total_steps simply follows the new schedule from where it stopped."""
-    import math
-    if not isinstance(total_steps, int) or total_steps < 1:
-        raise ValueError(f"`scheduler.total_steps` must be a positive int, got {total_steps}")
+    positive_int(total_steps, "scheduler.total_steps")
 
     def factor(step: int) -> float:
         if step < warmup_steps:
@@ -132,8 +133,7 @@ class EagleModule(HeadModule):
         super().__init__(heads, optimizer, scheduler)
         if ce_weight < 0 or noise < 0:
             raise ValueError(f"`module.ce_weight` and `module.noise` must be >= 0, got {ce_weight}, {noise}")
-        if not isinstance(unroll, int) or unroll < 1 or not isinstance(eval_depth, int) or eval_depth < 1:
-            raise ValueError(f"`module.unroll` and `module.eval_depth` must be positive ints, got {unroll}, {eval_depth}")
+        positive_int(unroll, "module.unroll"), positive_int(eval_depth, "module.eval_depth")
         if not 0 < unroll_decay <= 1:
             raise ValueError(f"`module.unroll_decay` must be in (0, 1], got {unroll_decay}")
         self.ce_weight, self.noise = float(ce_weight), float(noise)

@@ -1,7 +1,7 @@
 """The core: the types and interfaces every component implements or reads, the target-distribution
 stage, and the engine that runs the step loop over many sequences. Components import from here and
 nowhere else in `pipeline`; the core names no concrete component."""
-from pipeline.errors import UserError
+from pipeline.errors import UserError, positive_int
 from pipeline.io import append_jsonl, atomic_write, write_json
 from pipeline.core.tree import StaticTree, Tree, dynamic_tree
 from pipeline.core.types import Accepted, DecodeState, Generation, StepBatch
@@ -14,4 +14,4 @@ from pipeline.core.beam import BeamSearch
 
 __all__ = ["Accepted", "BeamSearch", "Constraint", "DecodeState", "Engine", "Generation", "Grammar", "KVManager", "LogitsProcessor",
            "Proposer", "Request", "Runner", "Sampler", "StaticTree", "StepBatch", "Target", "TargetStage", "Tree", "UserError",
-           "Verifier", "append_jsonl", "atomic_write", "dynamic_tree", "encode_chat", "forward_rows", "write_json"]
+           "Verifier", "append_jsonl", "atomic_write", "dynamic_tree", "encode_chat", "forward_rows", "positive_int", "write_json"]

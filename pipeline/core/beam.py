@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.core.bits import words
-from pipeline.errors import UserError
-from pipeline.core.runner import Request, Runner, check_positive
+from pipeline.errors import UserError, positive_int
+from pipeline.core.runner import Request, Runner
 from pipeline.core.target import TargetStage
 from pipeline.core.types import Generation, StepBatch
 
@@ -81,7 +81,9 @@ class BeamSearch(Runner):
                  num_beam_groups: int = 1, diversity_penalty: float = 0.0, seed: int = 0, batch_size: int = 1,
                  constraint=None):
         super().__init__(model, kv, sampler, eos_ids, max_new_tokens, seed, batch_size, constraint)
-        check_positive(num_beams=num_beams, num_return_sequences=num_return_sequences, num_beam_groups=num_beam_groups)
+        for name, v in (("num_beams", num_beams), ("num_return_sequences", num_return_sequences),
+                        ("num_beam_groups", num_beam_groups)):
+            positive_int(v, name)
         if num_return_sequences > num_beams:
             raise UserError(f"num_return_sequences={num_return_sequences} exceeds num_beams={num_beams}: "
                             "beam search returns at most num_beams hypotheses")

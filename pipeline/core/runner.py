@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from pipeline.errors import UserError
+from pipeline.errors import UserError, positive_int
 from pipeline.core.types import Generation
 
 
@@ -29,13 +29,6 @@ class Request:
     seed: int  # its own generator's seed: tokens never depend on what runs beside it
     grammar: object = None  # its constraint (a Grammar); None: the runner's configured one
     max_new_tokens: int | None = None  # None: the runner's
-
-
-def check_positive(**values) -> None:
-    """Each value a positive int (not a bool), else a one-line error naming it."""
-    for name, v in values.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise UserError(f"{name} must be a positive int, got {v!r}")
 
 
 def check_prompt(index: int, prompt: list[int], limit: int) -> None:
@@ -57,7 +50,7 @@ class Runner(ABC):
 
     def __init__(self, model, kv, sampler, eos_ids: list[int], max_new_tokens: int, seed: int = 0,
                  batch_size: int = 1, constraint=None):
-        check_positive(max_new_tokens=max_new_tokens, batch_size=batch_size)
+        positive_int(max_new_tokens, "max_new_tokens"), positive_int(batch_size, "batch_size")
         self.model, self.kv, self.sampler = model, kv, sampler
         self.eos_ids, self.max_new_tokens = set(eos_ids), max_new_tokens
         self.seed, self.batch_size = seed, batch_size
@@ -72,7 +65,7 @@ class Runner(ABC):
         """Queue a request; it joins at the next step with room. Returns its handle."""
         check_prompt(self._next, request.prompt, self.model.args.max_seq_len)
         if request.max_new_tokens is not None:
-            check_positive(max_new_tokens=request.max_new_tokens)
+            positive_int(request.max_new_tokens, "max_new_tokens")
         handle, self._next = self._next, self._next + 1
         self._queue.append((handle, request))
         return handle
