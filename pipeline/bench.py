@@ -131,6 +131,21 @@ def cli_overrides() -> list[str]:
     return [] if hc is None else list(hc.overrides.task)
 
 
+def cpu_name() -> str:
+    """The CPU as a benchmark table names it: its model name, family and model, and the vector
+    features that decide which kernels run (AVX2, AVX-512, avx512_bf16, AMX)."""
+    info = Path("/proc/cpuinfo")
+    if not info.is_file():
+        return platform.processor() or platform.machine()
+    fields = dict(line.split(":", 1) for line in info.read_text().split("\n\n")[0].splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    isa = [name for flag, name in (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "avx512_bf16"),
+                                   ("amx_tile", "AMX")) if flag in flags]
+    return (f"{fields.get('model name', platform.processor())} (family {fields.get('cpu family', '?')} model "
+            f"{fields.get('model', '?')}; {', '.join(isa) or 'no AVX2'})")
+
+
 def bench(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[dict, dict]:
     """`overrides`: the bench's command-line overrides (default: read from Hydra)."""
     given = cli_overrides() if overrides is None else list(overrides)
@@ -164,7 +179,7 @@ def bench(cfg: DictConfig, overrides: list[str] | None = None) -> tuple[dict, di
     result = {"baseline": base.entry.label, "repeats": repeats, "requests": len(reqs),
               "max_new_tokens": int(cfg.max_new_tokens),
               "pipelines": {p.entry.label: pipeline_report(p, base, reqs) for p in pipes},
-              "machine": {"torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+              "machine": {"cpu": cpu_name(), "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                           "torch": torch.__version__, "python": platform.python_version(),
                           "platform": platform.platform()},
               "command": " ".join(["python -m pipeline.bench", *map(shlex.quote, given)])}
