@@ -299,15 +299,14 @@ def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
         notice = backbone.lossless_notice(engine.proposer is not None, engine.batch_size > 1)
         if notice:
             summary["lossless_notice"] = notice
-        tree = getattr(engine.proposer or engine.idle_proposer, "tree_spec", None)
+        tree = proposer_report(engine).get("tree")
         if tree is not None:
             summary["tree"] = tree
-        guard = getattr(engine, "guard", None)
-        if guard is not None and engine.proposer is not None:
-            summary["guard"] = dict(guard.stats)
-            steps = guard.stats["tree_steps"] + guard.stats["plain_steps"]
-            if steps and guard.stats["held_steps"] > steps / 2:
-                print(f"{name}: drafting did not pay in this run ({guard.stats['held_steps']} of {steps} steps plain, "
+        if engine.guard is not None and engine.proposer is not None:
+            guard = summary["guard"] = engine.guard.describe()
+            steps = guard["tree_steps"] + guard["plain_steps"]
+            if steps and guard["held_steps"] > steps / 2:
+                print(f"{name}: drafting did not pay in this run ({guard['held_steps']} of {steps} steps plain, "
                       "paused by the speculation guard); speculation_guard=false always drafts", file=sys.stderr)
         if cfg.get("verify_lossless") and not interrupted:
             try:
@@ -371,10 +370,16 @@ def with_constraint_text(r, grammar):
     return replace(r, prompt=f"{r.prompt}\n\n{grammar.text()}")
 
 
+def proposer_report(engine: Engine) -> dict:
+    """What the engine's proposer (drafting or idle) says of itself (`Proposer.describe`); {} without one."""
+    proposer = engine.proposer or engine.idle_proposer
+    return {} if proposer is None else proposer.describe()
+
+
 def speculation_policy(engine: Engine, name: str) -> dict | None:
     """The proposer's sizing decision (components/proposer/policy.py), said in one line when it is
     plain decoding; None for proposers without one."""
-    policy = getattr(engine.proposer or engine.idle_proposer, "policy", None)
+    policy = proposer_report(engine).get("policy")
     if not policy:
         return None
     out = {k: policy[k] for k in ("nodes", "expected_speedup", "expected_accept_length", "precision")}

@@ -3,14 +3,16 @@ checkpoints, the cached draft step equal to its training forward, best-first dyn
 tree_eagle lossless against greedy (batched too) with no draft-cache leak."""
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 import torch
 
 from components.heads.eagle import EagleDraft, build_eagle
+from components.kv.contiguous import ContiguousKV
 from components.proposer.eagle import EagleProposer, _Growing
-from pipeline.core import StepBatch
+from pipeline.core import StepBatch, forward_step
 from pipeline.errors import UserError
 from tests.conftest import REPO_ROOT, compose_config
 
@@ -71,7 +73,6 @@ def test_medusa_checkpoint_is_refused_as_a_draft(tiny_backbone, tmp_path):
 
 def test_cached_step_equals_the_training_forward(tiny_backbone):
     """The decoding path (own KV pool, packed rows, two calls) gives the training forward's features."""
-    from components.kv.contiguous import ContiguousKV
     torch.manual_seed(0)
     bb = tiny_backbone
     draft = build_eagle(bb, torch.ones(bb.model.args.vocab_size, dtype=torch.long), draft_vocab=None).eval()
@@ -84,7 +85,7 @@ def test_cached_step_equals_the_training_forward(tiny_backbone):
     outs = []
     for lo, hi in ((0, 4), (4, 7)):
         batch = StepBatch.build([seq], [toks[0, lo:hi]], [None], [None], [kv.used(seq)])
-        outs.append(draft.step(batch, kv, feats[0, lo:hi]))
+        outs.append(forward_step(draft, kv, batch, feats[0, lo:hi]))
         kv.commit(seq)
     torch.testing.assert_close(torch.cat(outs), ref, atol=1e-5, rtol=1e-5)
 
@@ -263,7 +264,7 @@ def test_a_draft_trained_with_prompt_context_reads_the_prompt(trained, tiny_back
     assert m["lossless"] and o["results"]["summary"]["tree"]["draft_context"] == "prompt"
     dim = tiny_backbone.model.args.dim
     for ckpt, kept in ((draft_path, 5), (path, 1)):  # the prefill's pairs the draft keeps
-        prop = EagleProposer(tiny_backbone, str(ckpt))
+        prop = EagleProposer(tiny_backbone, functools.partial(ContiguousKV, max_len=64), str(ckpt))
         prop.start(0, [1, 2, 3, 4, 5])
         prop.observe(0, [2, 3, 4, 5, 6], torch.randn(5, dim))
         assert len(prop.seqs[0].tokens) == kept

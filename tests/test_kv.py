@@ -47,11 +47,11 @@ def step(kv, ref: Reference, seqs: list[int], counts: list[int], gen: torch.Gene
     what every layer's update returns against the reference."""
     toks = [torch.zeros(n, dtype=torch.long) for n in counts]
     batch = StepBatch.build(seqs, toks, [None] * len(seqs), [None] * len(seqs), [kv.used(s) for s in seqs])
-    R = batch.rows
-    kvals = torch.randn(L, 2, R, NKV, HS, generator=gen)
-    kv.begin_step(batch)
+    kvals = torch.randn(L, 2, sum(counts), NKV, HS, generator=gen)
+    plan = kv.begin_step(batch)
+    assert plan.seqs == seqs and plan.counts == counts and plan.span == batch.span
     for layer in range(L):
-        K, V = kv.update(layer, kvals[layer, 0], kvals[layer, 1], batch)
+        K, V = kv.update(layer, kvals[layer, 0], kvals[layer, 1], plan)
         assert K.shape == V.shape == (len(seqs), NKV, batch.span, HS)
         for b, s in enumerate(seqs):
             o, n = batch.offsets[b], counts[b]
@@ -60,7 +60,7 @@ def step(kv, ref: Reference, seqs: list[int], counts: list[int], gen: torch.Gene
             used = len(old) + n
             torch.testing.assert_close(K[b, :, :used], want[:, 0].transpose(0, 1), rtol=0, atol=0)
             torch.testing.assert_close(V[b, :, :used], want[:, 1].transpose(0, 1), rtol=0, atol=0)
-    kv.end_step(batch)
+    kv.end_step(plan)
     for b, s in enumerate(seqs):
         o = batch.offsets[b]
         ref.pending[s] += list(kvals[:, :, o:o + counts[b]].permute(2, 0, 1, 3, 4).unbind(0))
@@ -226,16 +226,14 @@ def test_paged_forks_share_the_prompt():
     kv = make("paged", bb, ["kv.block_size=16", "kv.num_blocks=64"])
     root = kv.create()
     batch = StepBatch.build([root], [torch.zeros(500, dtype=torch.long)], [None], [None], [0])
-    kv.begin_step(batch)
-    kv.end_step(batch)  # the slots exist; their values do not matter here
+    kv.end_step(kv.begin_step(batch))  # the slots exist; their values do not matter here
     kv.commit(root)
     one = kv.stats()["bytes_in_use"]
     forks = [kv.fork(root) for _ in range(3)]
     for _ in range(20):
         for s in [root, *forks]:
             batch = StepBatch.build([s], [torch.zeros(1, dtype=torch.long)], [None], [None], [kv.used(s)])
-            kv.begin_step(batch)
-            kv.end_step(batch)
+            kv.end_step(kv.begin_step(batch))
             kv.commit(s)
     stats = kv.stats()
     single = -(-520 // 16) * 16 * kv.slot_bytes  # one sequence of 520 tokens, alone
@@ -252,7 +250,7 @@ def test_contiguous_batch_in_consecutive_slots_is_a_view():
     seqs = [kv.create() for _ in range(3)]
     assert kv.batch_order(list(reversed(seqs))) == seqs
     batch = StepBatch.build(seqs, [torch.zeros(2, dtype=torch.long)] * 3, [None] * 3, [None] * 3, [0, 0, 0])
-    kv.begin_step(batch)
-    K, _ = kv.update(0, torch.zeros(6, NKV, HS), torch.zeros(6, NKV, HS), batch)
+    plan = kv.begin_step(batch)
+    K, _ = kv.update(0, torch.zeros(6, NKV, HS), torch.zeros(6, NKV, HS), plan)
     assert K.data_ptr() == kv.buf[0, 0].data_ptr()  # no copy
-    kv.end_step(batch)
+    kv.end_step(plan)

@@ -142,7 +142,7 @@ def build_context(backbone, out: Path, config: dict, n: int, batch_size: int = 1
     todo = [(a, b, p) for a, b, p in parts(out) if a < n and not _sibling(p, "context").is_file()]
     if not todo:
         return
-    from pipeline.core import StepBatch
+    from pipeline.core import StepBatch, forward_step
     from components.kv.contiguous import ContiguousKV
     model, tok = backbone.model, backbone.tokenizer
     prompts = training_prompts(max(b for _, b, _ in todo), seed=config["prompt_seed"])
@@ -159,7 +159,7 @@ def build_context(backbone, out: Path, config: dict, n: int, batch_size: int = 1
             step = StepBatch.build(seqs, [torch.tensor(e) for e in encoded], [None] * len(seqs), [None] * len(seqs),
                                    [0] * len(seqs), model.attn_dtype)
             with torch.inference_mode():
-                h = model.step(step, kv).to(torch.bfloat16)
+                h = forward_step(model, kv, step).to(torch.bfloat16)
             for k, (e, q) in enumerate(zip(encoded, seqs)):
                 kv.free(q)
                 hk = h[step.offsets[k]:step.offsets[k + 1]]

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from pipeline.core.constrain import unpack, words
-from pipeline.core.engine import check_prompts, request_grammars
+from pipeline.core.engine import check_prompts, forward_step, request_grammars
 from pipeline.core.errors import UserError
 from pipeline.core.target import TargetStage
 from pipeline.core.types import Generation, StepBatch
@@ -105,7 +105,7 @@ class BeamSearch:
         self.num_beam_groups, self.diversity_penalty = num_beam_groups, float(diversity_penalty)
         self.seed, self.batch_size, self.constraint = seed, batch_size, constraint
         self.processors = TargetStage(sampler.processors)
-        self.proposer = self.idle_proposer = self.verifier = None
+        self.proposer = self.idle_proposer = self.verifier = self.guard = None
 
     # --- public ------------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], on_tokens=None, seed: int | None = None, grammar=None) -> Generation:
@@ -160,7 +160,7 @@ class BeamSearch:
             live.append(r)
         step = StepBatch.build([r.beams[0].seq for r in joining], [torch.tensor(r.prompt) for r in joining],
                                [None] * len(joining), [None] * len(joining), [0] * len(joining), self.model.attn_dtype)
-        h = self.model.step(step, self.kv)
+        h = forward_step(self.model, self.kv, step)
         last = [o - 1 for o in step.offsets[1:]]
         logits = self.model.logits(h[last])
         for b, r in enumerate(joining):
@@ -176,7 +176,7 @@ class BeamSearch:
         step = StepBatch.build([b.seq for _, b in beams], [torch.tensor(b.tokens[-1:]) for _, b in beams],
                                [None] * len(beams), [None] * len(beams), [self.kv.used(b.seq) for _, b in beams],
                                self.model.attn_dtype)
-        h = self.model.step(step, self.kv)
+        h = forward_step(self.model, self.kv, step)
         logits = self.model.logits(h)
         row = {id(b): k for k, (_, b) in enumerate(beams)}
         for _, b in beams:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -35,12 +35,22 @@ from pipeline.core.types import DecodeState, Generation, StepBatch
 PREFILL_ROWS = 2048  # padded prompt rows (requests x longest prompt) per admission forward
 
 
+def forward_step(model, kv, batch: StepBatch, *args) -> torch.Tensor:
+    """One forward over a step's rows through the KV manager `kv`: the step begins (its plan goes
+    with the batch), `model.step(batch, kv, *args)` runs (a backbone's args: the layers to run), and
+    the rows become tentative slots. Returns the model's output, (R, dim)."""
+    plan = kv.begin_step(batch)
+    out = model.step(replace(batch, plan=plan), kv, *args)
+    kv.end_step(plan)
+    return out
+
+
 def forward_rows(model, kv, seq: int, tokens: torch.Tensor, depths: torch.Tensor | None = None,
                  mask: torch.Tensor | None = None, layers: list[int] | None = None) -> torch.Tensor:
     """One sequence's forward: tokens (n,) after the slots it holds (a prompt block when depths and
     mask are None, else a tree). Returns hidden (n, dim); the rows become tentative slots."""
     step = StepBatch.build([seq], [tokens], [depths], [mask], [kv.used(seq)], model.attn_dtype)
-    return model.step(step, kv, layers)
+    return forward_step(model, kv, step, layers)
 
 
 @dataclass
@@ -158,7 +168,7 @@ class Engine:
         step = StepBatch.build([s.seq for s in joined], [torch.tensor(s.tokens) for s in joined],
                                [None] * len(joined), [None] * len(joined), [0] * len(joined), self.model.attn_dtype)
         masks = self._masks(joined, [None] * len(joined), [1] * len(joined))
-        h = self.model.step(step, self.kv)  # (R, dim): every prompt position of every joining request
+        h = forward_step(self.model, self.kv, step)  # (R, dim): every prompt position of every joining request
         last = [o - 1 for o in step.offsets[1:]]
         allowed = masks()
         p = self.target(self.model.logits(h[last]), input_ids=lambda: [s.tokens for s in joined], allowed=allowed,
@@ -195,7 +205,7 @@ class Engine:
         live = sorted(live, key=lambda s: rank[s.seq])
         speculate = self.proposer is not None and (self.guard is None or self.guard.speculate())
         drafted = [s for s in live if speculate and self._budget(s) > 1]
-        proposals = dict(zip((s.seq for s in drafted), self.proposer.propose_all(
+        proposals = dict(zip((s.seq for s in drafted), self.proposer.propose(
             [DecodeState(s.seq, s.tokens, s.hidden, model, kv, self._budget(s), s.generator) for s in drafted])
             if drafted else []))
         for s in drafted:
@@ -227,7 +237,7 @@ class Engine:
                                [kv.used(s.seq) for s in live], model.attn_dtype)
         sizes = [tr.size for tr in trees]
         masks = self._masks(live, node_bits, sizes)
-        h = model.step(step, kv)  # (R, dim)
+        h = forward_step(model, kv, step)  # (R, dim)
         allowed = masks()
         p = self.target(model.logits(h), input_ids=lambda: _contexts(live, trees), allowed=allowed,
                         describe=self._describe(live, sizes))
