@@ -135,8 +135,10 @@ def test_dynamic_tree_keeps_the_best_candidates_as_a_tree():
     assert g.tree(root=5, max_nodes=8, floor=torch.log(torch.tensor(0.5)).item()).tokens.tolist() == [5, 10, 20]
 
 
-@pytest.mark.parametrize("batch,dtype", [(1, "float32"), (3, "float32"), (3, "q4")])
-def test_tree_eagle_is_lossless_and_frees_its_cache(trained, tiny_backbone, tmp_path, batch, dtype):
+@pytest.mark.parametrize("batch,dtype,kv", [(1, "float32", "contiguous"), (3, "float32", "contiguous"),
+                                            (3, "float32", "paged"), (3, "q4", "contiguous")])
+def test_tree_eagle_is_lossless_and_frees_its_cache(trained, tiny_backbone, tmp_path, batch, dtype, kv):
+    """The draft's own cache is a manager of the run's kv group."""
     """Beside a q4 backbone the draft itself runs in 4 bits (only which tokens are proposed changes)."""
     from components.model.linear import Int4
     from components.model.load import tiny
@@ -144,7 +146,7 @@ def test_tree_eagle_is_lossless_and_frees_its_cache(trained, tiny_backbone, tmp_
     path, _, _ = trained
     cfg = compose_config(["decode=tree_eagle", "model=tiny", f"proposer.checkpoint={path}", "tree.width=3",
                           "tree.depth=4", "tree.max_nodes=10", "proposer.nodes=null", "max_new_tokens=32", "stream=false",
-                          f"batch_size={batch}", "verify_lossless=true", "chat=false", f"model.dtype={dtype}"],
+                          f"batch_size={batch}", "verify_lossless=true", "chat=false", f"model.dtype={dtype}", f"kv={kv}"],
                          output_dir=tmp_path, input=str(tmp_path / "in.jsonl"))
     prompts = ["one two three one two three", "hello there", "the cat sat on the mat, the cat", "a b a b a b"]
     (tmp_path / "in.jsonl").write_text("".join(f'{{"id": "r{i}", "prompt": "{p}"}}\n' for i, p in enumerate(prompts)))
@@ -154,6 +156,7 @@ def test_tree_eagle_is_lossless_and_frees_its_cache(trained, tiny_backbone, tmp_
     assert metrics["tree_steps"] > 0  # the draft did propose trees
     engine = objs["engine"]
     assert isinstance(engine.proposer, EagleProposer) and not engine.proposer.kv.sequences
+    assert type(engine.proposer.kv) is type(engine.kv) and engine.proposer.kv.n_layers == 1
     assert objs["results"]["summary"]["tree"]["dynamic"]
     assert isinstance(engine.proposer.draft.block.w2, Int4) == (dtype == "q4")
     assert objs["results"]["summary"]["tree"]["draft_storage"] == ("q4" if dtype == "q4" else "float32")

@@ -145,7 +145,7 @@ def test_a_failed_or_interrupted_run_leaks_no_block(tiny_variants, kv, exc):
     eng = decoder_for("tree_ngram", bb, f"kv={kv}", "batch_size=3", max_new_tokens=30)
     failing = Failing(after=7)
     if exc is KeyboardInterrupt:
-        failing.propose = lambda state, f=failing.propose: (_ for _ in ()).throw(KeyboardInterrupt) \
+        failing.draft = lambda state, f=failing.draft: (_ for _ in ()).throw(KeyboardInterrupt) \
             if failing.calls >= 7 else f(state)
     eng = replace(eng, proposer=failing)
     with pytest.raises(exc):

@@ -254,3 +254,33 @@ def test_contiguous_batch_in_consecutive_slots_is_a_view():
     K, _ = kv.update(0, torch.zeros(6, NKV, HS), torch.zeros(6, NKV, HS), plan)
     assert K.data_ptr() == kv.buf[0, 0].data_ptr()  # no copy
     kv.end_step(plan)
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_a_plan_is_all_a_step_needs(option):
+    """`update` and `end_step` read nothing but their arguments: two steps begun before either ends
+    (disjoint sequences, as a draft pass next to a target step) write and read what each would alone,
+    the second's begin_step growing the pool under the first's plan."""
+    kv, ref, gen = make(option), Reference(), torch.Generator().manual_seed(0)
+    a, b = kv.create(), kv.create()
+    for s in (a, b):
+        ref.committed[s], ref.pending[s] = [], []
+    step(kv, ref, [a], [2], gen)
+    kv.commit(a)
+    ref.committed[a], ref.pending[a] = ref.pending[a], []
+    pa = kv.begin_step(StepBatch.build([a], [torch.zeros(3, dtype=torch.long)], [None], [None], [2]))
+    pb = kv.begin_step(StepBatch.build([b], [torch.zeros(9, dtype=torch.long)], [None], [None], [0]))
+    new = {a: torch.randn(L, 3, NKV, HS, generator=gen), b: torch.randn(L, 9, NKV, HS, generator=gen)}
+    for layer in range(L):
+        Kb, _ = kv.update(layer, new[b][layer], new[b][layer], pb)
+        Ka, _ = kv.update(layer, new[a][layer], new[a][layer], pa)
+        want = torch.cat((torch.stack([x[layer, 0] for x in ref.committed[a]]), new[a][layer]))  # (5, NKV, HS)
+        torch.testing.assert_close(Ka[0, :, :5], want.transpose(0, 1), rtol=0, atol=0)
+        torch.testing.assert_close(Kb[0, :, :9], new[b][layer].transpose(0, 1), rtol=0, atol=0)
+    kv.end_step(pb)
+    kv.end_step(pa)
+    assert (kv.pending(a), kv.pending(b)) == (3, 9)
+    for s in (a, b):
+        kv.commit(s)
+        ref.committed[s] += [torch.stack((x, x), 1) for x in new[s].unbind(1)]  # (L, 2, NKV, HS) per slot
+    check(kv, ref)

@@ -89,6 +89,16 @@ def step_view(tree: Tree, prefix_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     return step.bias[0, 0] == 0, step.positions
 
 
+def test_visible_shows_a_row_only_the_held_slots_given():
+    """StepBatch.build(visible=): per row, which of the slots its sequence holds it reads (EAGLE's
+    draft shows each node its ancestors' tentative slots only); its own rows as the mask says."""
+    vis = torch.tensor([[True, False, True], [True, True, False]])
+    step = StepBatch.build([0], [torch.tensor([5, 6])], [torch.zeros(2, dtype=torch.long)],
+                           [torch.eye(2, dtype=torch.bool)], [3], visible=[vis])
+    assert (step.bias[0, 0] == 0).tolist() == [[True, False, True, True, False], [True, True, False, False, True]]
+    assert step.positions.tolist() == [3, 3]
+
+
 def test_seed_tree_mask_and_positions_match_our_tree():
     tree = seed_as_our_tree()
     ours = step_view(tree, SEED_P - 1)[0]  # (N + 1, P + N)

@@ -106,7 +106,7 @@ class EagleProposer(Proposer):
             self._measure()
 
     def describe(self) -> dict:
-        """"tree": the tree it grows, and under nodes=auto how it sized them this run."""
+        """Its "tree": the tree it grows, and under nodes=auto how it sized them in this run."""
         spec = {"dynamic": True, "width": self.width, "depth": self.depth, "max_nodes": self.max_nodes,
                 "p_min": self.p_min, "checkpoint": str(self.checkpoint_path),
                 "draft_storage": self.draft.storage, "draft_context": "prompt" if self.context else "answer"}

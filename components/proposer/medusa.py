@@ -105,7 +105,7 @@ class MedusaProposer(Proposer):
         return self.policy["choices"]
 
     def describe(self) -> dict:
-        """"tree": the tree it verifies (a search's best one becomes a tree file); "policy": the
+        """Its "tree": the tree it verifies (a search's best one becomes a tree file); "policy": the
         sizing decision with nodes=auto and a tree file, else None."""
         common = {"p_min": self.p_min, "checkpoint": str(self.checkpoint_path), "draft_storage": self.heads.storage}
         if self.dynamic:

@@ -32,7 +32,7 @@ class NgramProposer(Proposer):
         self.seqs: dict[int, _Backoff] = {}
 
     def describe(self) -> dict:
-        """"tree": the tree shape it drafts."""
+        """Its "tree": the tree shape it drafts."""
         return {"tree": {"width": self.width, "depth": self.depth, "max_nodes": self.max_nodes}}
 
     def start(self, seq, prompt_ids) -> None:
