@@ -22,13 +22,15 @@ def component(node: DictConfig | None, backbone=None, **kwargs):
     return obj(backbone=backbone) if isinstance(obj, functools.partial) else obj
 
 
-def draft_kv(cfg: DictConfig) -> dict:
-    """A proposer whose constructor takes `kv` keeps a draft cache of its own: it gets the run's `kv`
-    group unapplied (`_partial_`), to make a manager of that kind shaped for its draft."""
+def build_proposer(cfg: DictConfig, backbone):
+    """The configured proposer, None without one. A proposer whose constructor takes `kv` keeps a
+    draft cache of its own: it gets the run's `kv` group unapplied (`_partial_`), to make a manager
+    of that kind shaped for its draft."""
     node = cfg.get("proposer")
-    if node is None or "kv" not in inspect.signature(get_class(node._target_)).parameters:
-        return {}
-    return {"kv": instantiate(cfg.kv)}
+    if node is None:
+        return None
+    takes_kv = "kv" in inspect.signature(get_class(node._target_)).parameters
+    return component(node, backbone, **({"kv": instantiate(cfg.kv)} if takes_kv else {}))
 
 
 def model_key(cfg: DictConfig) -> str:
@@ -133,7 +135,7 @@ def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -
             diversity_penalty=cfg.get("diversity_penalty", 0.0), seed=int(cfg.seed), batch_size=batch,
             constraint=component(constraint_node(cfg), backbone) if with_constraint else None)
         return engine, backbone
-    proposer = component(cfg.get("proposer"), backbone, **draft_kv(cfg))
+    proposer = build_proposer(cfg, backbone)
     guard = None
     if proposer is not None and cfg.get("speculation_guard", True):
         from pipeline.core.guard import SpeculationGuard
