@@ -32,6 +32,7 @@ from components.model.load import smollm2_gguf
 from pipeline import llama_cpp_peer, threads, vllm_peer
 from pipeline.build import build_engine, component, model_key, needs_invariance, step_rows
 from pipeline.cli import CONF_DIR, check_overrides, compose_config, groups
+from pipeline.core import Runner
 from pipeline.decode import build_grammars, request_constraints, run_requests
 from pipeline.errors import UserError, one_line_errors, positive_int
 from pipeline.hf_peer import GENERATE_KNOBS, PEERS, HFPeer, to_hf
@@ -287,15 +288,11 @@ def pipeline_report(p: Pipeline, base: Pipeline, reqs) -> dict:
               "constrained": isinstance(p.runner, Constrained) or getattr(p.runner, "constraint", None) is not None}
     if "constrained_requests" in s:  # constraint cost per committed token, drafts pruned, complete outputs
         report.update({k: rnd(s[k]) for k in ("mask_us_per_token", "pruned_drafts", "constraint_complete")})
-    policy = getattr(getattr(p.runner, "proposer", None) or getattr(p.runner, "idle_proposer", None), "policy", None)
-    if policy:  # the proposer's tree size for this machine (0 = plain decoding)
-        report["speculation"] = {k: policy[k] for k in ("nodes", "expected_speedup", "expected_accept_length")}
-    guard = getattr(p.runner, "guard", None)
-    if guard is not None and getattr(p.runner, "proposer", None) is not None:  # the last round's
-        report["guard"] = dict(guard.stats)
-    kv = getattr(p.runner, "kv", None)  # our engines: the KV pool's memory, peak over warm-up and rounds
-    if kv is not None:
-        report["kv"] = kv.stats()
+    if isinstance(p.runner, Runner):  # ours: the KV pool's memory (peak over warm-up and rounds), the guard's last round
+        report.update({k: v for k, v in p.runner.describe().items() if k in ("kv", "guard")})
+        policy = None if p.runner.drafter is None else p.runner.drafter.describe().get("policy")
+        if policy:  # the proposer's tree size for this machine (0 = plain decoding)
+            report["speculation"] = {k: policy[k] for k in ("nodes", "expected_speedup", "expected_accept_length")}
     return {**report, "per_request": per_request}
 
 

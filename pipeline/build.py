@@ -4,6 +4,7 @@ object comes from a `_target_` in conf/. Components that need the live backbone 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -25,6 +26,17 @@ def component(node: DictConfig | None, backbone=None, **kwargs):
         return None
     obj = instantiate(node, **kwargs)
     return obj(backbone=backbone) if isinstance(obj, functools.partial) else obj
+
+
+def build_proposer(cfg: DictConfig, backbone):
+    """The configured proposer, None without one. A proposer whose constructor takes `kv` keeps a
+    draft cache of its own: it gets the run's `kv` group unapplied (`_partial_`), to make a manager
+    of that kind shaped for its draft."""
+    node = cfg.get("proposer")
+    if node is None:
+        return None
+    takes_kv = "kv" in inspect.signature(get_class(node._target_)).parameters
+    return component(node, backbone, **({"kv": instantiate(cfg.kv)} if takes_kv else {}))
 
 
 def model_key(cfg: DictConfig) -> str:
@@ -130,7 +142,7 @@ def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -
                  eos_ids=backbone.eos_ids, max_new_tokens=mnt, seed=int(cfg.seed), batch_size=batch,
                  constraint=component(constraint_node(cfg), backbone) if with_constraint else None)
     if cls.speculates:
-        proposer = component(cfg.get("proposer"), backbone)
+        proposer = build_proposer(cfg, backbone)
         parts.update(proposer=proposer, verifier=component(cfg.get("verifier"), backbone),
                      guard=speculation_guard(cfg) if proposer is not None else None,
                      record_trees=bool(cfg.get("record_trees", False)))

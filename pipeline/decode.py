@@ -245,7 +245,7 @@ def with_constraint_text(r, grammar):
 def speculation_policy(engine: Engine, name: str) -> dict | None:
     """The proposer's sizing decision (components/proposer/policy.py), said in one line when it is
     plain decoding; None for proposers without one."""
-    policy = getattr(engine.drafter, "policy", None)
+    policy = None if engine.drafter is None else engine.drafter.describe().get("policy")
     if not policy:
         return None
     out = {k: policy[k] for k in ("nodes", "expected_speedup", "expected_accept_length", "precision")}

@@ -20,7 +20,7 @@ import torch
 from components.kv.contiguous import ContiguousKV
 from components.model.linear import Dense, Int4
 from components.model.load import from_pretrained
-from pipeline.core import StepBatch
+from pipeline.core import StepBatch, forward_step
 
 ROWS = (1, 2, 4, 8, 16, 32)
 
@@ -66,14 +66,14 @@ def main():
         kv = ContiguousKV(None, ctx + 64, a.n_layers, a.n_kv_heads, a.head_dim, m.attn_dtype)
         seq = kv.create()
         prompt = torch.randint(0, a.vocab_size, (ctx,))
-        m.step(StepBatch.build([seq], [prompt], [None], [None], [0], m.attn_dtype), kv)
+        forward_step(m, kv, StepBatch.build([seq], [prompt], [None], [None], [0], m.attn_dtype))
         kv.commit(seq)
 
         def step(r):
             tok = torch.randint(0, a.vocab_size, (r,))
             mask = torch.ones(r, r, dtype=torch.bool).tril_() if r > 1 else None
             depth = torch.arange(r) if r > 1 else None
-            h = m.step(StepBatch.build([seq], [tok], [depth], [mask], [kv.used(seq)], m.attn_dtype), kv)
+            h = forward_step(m, kv, StepBatch.build([seq], [tok], [depth], [mask], [kv.used(seq)], m.attn_dtype))
             m.logits(h)
             kv.discard(seq)
         ms = {r: timed(lambda r=r: step(r)) for r in ROWS}

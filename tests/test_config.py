@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 import pipeline.cli
-from pipeline.build import build_engine, component
+from pipeline.build import build_engine, build_proposer, component
 from pipeline.core import BeamSearch, Engine
 
 from conftest import compose_config
@@ -108,7 +108,7 @@ def instantiate_option(group, option, cfg, backbone, heads_ckpt, tmp_path):
         assert bb.eos_ids, "a backbone must know its EOS token"
         return bb
     if group == "proposer":
-        return component(with_tiny_context(cfg, heads_ckpt).proposer, backbone)
+        return build_proposer(with_tiny_context(cfg, heads_ckpt), backbone)
     # train-time groups: each needs what pipeline/train.py passes alongside the backbone
     if group == "heads":
         return component(cfg.heads, backbone, token_counts=torch.ones(backbone.model.args.vocab_size, dtype=torch.long))

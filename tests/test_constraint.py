@@ -21,13 +21,13 @@ from components.constraint.grammar import EBNF, JSONSchema, Regex
 from components.sampler.logits import Sampler
 from components.verifier.exact import ExactVerifier
 from components.verifier.greedy import GreedyVerifier
-from pipeline.core import Engine, Proposer, Tree, UserError
+from pipeline.core import Engine, Tree, UserError
 from pipeline.core.bits import allows, pack, tokens_of, unpack, words
 from pipeline.core.constrain import walk_tree
 
 from conftest import compose_config, subprocess_env
 from test_sampling_spec import chi_square_p
-from toy import ScriptedModel
+from toy import PerSequence, ScriptedModel
 
 A, B, C, D, EOS, BOS = range(6)  # the toy vocabulary
 TOY = {"transitions": {0: {A: 1}, 1: {B: 2, C: 2}}, "start": 0, "accept": [2]}  # A (B|C) EOS
@@ -71,10 +71,10 @@ def test_seed_fsm_toy_masked_greedy_gives_a_c_eos():
     assert g.steps == 2  # EOS was the only token allowed: appended without a third forward
 
 
-class ScriptedDrafts(Proposer):
+class ScriptedDrafts(PerSequence):
     """Fixed trees: every draft the toy language allows and several it does not."""
 
-    def propose(self, state):
+    def draft(self, state):
         t = state.tokens[-1]  # A, chosen at prefill: B or C may follow, then EOS
         return Tree.from_parents([t, D, C, B, A, EOS], [-1, 0, 0, 0, 2, 2])
 
@@ -129,7 +129,7 @@ def random_script(ctx):
 LOOSE = {"transitions": {0: {A: 1, B: 1, C: 0}, 1: {A: 0, C: 1, D: 2}, 2: {B: 2, A: 1}}, "start": 0, "accept": [0, 2]}
 
 
-class MixedDrafts(Proposer):
+class MixedDrafts(PerSequence):
     """Deterministic drafts, half of them outside the language, or sampled ones (i.i.d. from a fixed
     q that puts mass on illegal tokens) with q on the tree."""
     Q = torch.tensor([0.3, 0.1, 0.2, 0.3, 0.1])
@@ -137,7 +137,7 @@ class MixedDrafts(Proposer):
     def __init__(self, sampled: bool):
         self.sampled = sampled
 
-    def propose(self, state):
+    def draft(self, state):
         t = state.tokens[-1]
         if not self.sampled:
             return Tree.from_parents([t, D, A, C, B], [-1, 0, 0, 2, 2])

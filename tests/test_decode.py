@@ -12,12 +12,13 @@ import torch
 
 from components.verifier.greedy import GreedyVerifier
 from pipeline.build import build_engine, component
-from pipeline.core import DecodeState, Proposer, Tree, UserError
+from pipeline.core import DecodeState, Tree, UserError
 from pipeline.decode import decode
 from pipeline.requests import Request, encode
 from pipeline.streaming import TextStream
 
 from conftest import compose_config
+from toy import PerSequence
 
 REPEAT_TEXT = ("The cat sat on the mat and looked at the door. " * 4).strip()
 TEXT_PROMPTS = [REPEAT_TEXT, "Once upon a time, in a land far away,", "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3"]
@@ -121,7 +122,7 @@ def test_speculative_presets_equal_greedy(tiny_variants, variant, preset):
         assert accepted_drafts > 0
 
 
-class OracleProposer(Proposer):
+class OracleProposer(PerSequence):
     """Proposes the true greedy continuation (from a precomputed run), corrupted at a random depth,
     plus sibling branches of wrong tokens, ignoring the budget. Records how many drafts of each
     proposal are correct, which is exactly what the verifier must accept."""
@@ -138,7 +139,7 @@ class OracleProposer(Proposer):
             if t not in avoid:
                 return t
 
-    def propose(self, state: DecodeState) -> Tree | None:
+    def draft(self, state: DecodeState) -> Tree | None:
         k = len(state.tokens) - self.prompt_len  # tokens generated so far; the root is greedy[k - 1]
         assert state.tokens[self.prompt_len:] == self.greedy[:k], "the decoder committed a wrong token"
         truth = self.greedy[k:k + self.depth]

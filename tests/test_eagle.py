@@ -3,14 +3,16 @@ checkpoints, the cached draft step equal to its training forward, best-first dyn
 tree_eagle lossless against greedy (batched too) with no draft-cache leak."""
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 import torch
 
 from components.heads.eagle import EagleDraft, build_eagle
+from components.kv.contiguous import ContiguousKV
 from components.proposer.eagle import EagleProposer, _Growing
-from pipeline.core import StepBatch
+from pipeline.core import StepBatch, forward_step
 from pipeline.errors import UserError
 from tests.conftest import REPO_ROOT, compose_config
 
@@ -71,7 +73,6 @@ def test_medusa_checkpoint_is_refused_as_a_draft(tiny_backbone, tmp_path):
 
 def test_cached_step_equals_the_training_forward(tiny_backbone):
     """The decoding path (own KV pool, packed rows, two calls) gives the training forward's features."""
-    from components.kv.contiguous import ContiguousKV
     torch.manual_seed(0)
     bb = tiny_backbone
     draft = build_eagle(bb, torch.ones(bb.model.args.vocab_size, dtype=torch.long), draft_vocab=None).eval()
@@ -84,7 +85,7 @@ def test_cached_step_equals_the_training_forward(tiny_backbone):
     outs = []
     for lo, hi in ((0, 4), (4, 7)):
         batch = StepBatch.build([seq], [toks[0, lo:hi]], [None], [None], [kv.used(seq)])
-        outs.append(draft.step(batch, kv, feats[0, lo:hi]))
+        outs.append(forward_step(draft, kv, batch, feats[0, lo:hi]))
         kv.commit(seq)
     torch.testing.assert_close(torch.cat(outs), ref, atol=1e-5, rtol=1e-5)
 
@@ -134,8 +135,10 @@ def test_dynamic_tree_keeps_the_best_candidates_as_a_tree():
     assert g.tree(root=5, max_nodes=8, floor=torch.log(torch.tensor(0.5)).item()).tokens.tolist() == [5, 10, 20]
 
 
-@pytest.mark.parametrize("batch,dtype", [(1, "float32"), (3, "float32"), (3, "q4")])
-def test_tree_eagle_is_lossless_and_frees_its_cache(trained, tiny_backbone, tmp_path, batch, dtype):
+@pytest.mark.parametrize("batch,dtype,kv", [(1, "float32", "contiguous"), (3, "float32", "contiguous"),
+                                            (3, "float32", "paged"), (3, "q4", "contiguous")])
+def test_tree_eagle_is_lossless_and_frees_its_cache(trained, tiny_backbone, tmp_path, batch, dtype, kv):
+    """The draft's own cache is a manager of the run's kv group."""
     """Beside a q4 backbone the draft itself runs in 4 bits (only which tokens are proposed changes)."""
     from components.model.linear import Int4
     from components.model.load import tiny
@@ -143,7 +146,7 @@ def test_tree_eagle_is_lossless_and_frees_its_cache(trained, tiny_backbone, tmp_
     path, _, _ = trained
     cfg = compose_config(["decode=tree_eagle", "model=tiny", f"proposer.checkpoint={path}", "tree.width=3",
                           "tree.depth=4", "tree.max_nodes=10", "proposer.nodes=null", "max_new_tokens=32", "stream=false",
-                          f"batch_size={batch}", "verify_lossless=true", "chat=false", f"model.dtype={dtype}"],
+                          f"batch_size={batch}", "verify_lossless=true", "chat=false", f"model.dtype={dtype}", f"kv={kv}"],
                          output_dir=tmp_path, input=str(tmp_path / "in.jsonl"))
     prompts = ["one two three one two three", "hello there", "the cat sat on the mat, the cat", "a b a b a b"]
     (tmp_path / "in.jsonl").write_text("".join(f'{{"id": "r{i}", "prompt": "{p}"}}\n' for i, p in enumerate(prompts)))
@@ -153,6 +156,7 @@ def test_tree_eagle_is_lossless_and_frees_its_cache(trained, tiny_backbone, tmp_
     assert metrics["tree_steps"] > 0  # the draft did propose trees
     engine = objs["engine"]
     assert isinstance(engine.proposer, EagleProposer) and not engine.proposer.kv.sequences
+    assert type(engine.proposer.kv) is type(engine.kv) and engine.proposer.kv.n_layers == 1
     assert objs["results"]["summary"]["tree"]["dynamic"]
     assert isinstance(engine.proposer.draft.block.w2, Int4) == (dtype == "q4")
     assert objs["results"]["summary"]["tree"]["draft_storage"] == ("q4" if dtype == "q4" else "float32")
@@ -263,7 +267,7 @@ def test_a_draft_trained_with_prompt_context_reads_the_prompt(trained, tiny_back
     assert m["lossless"] and o["results"]["summary"]["tree"]["draft_context"] == "prompt"
     dim = tiny_backbone.model.args.dim
     for ckpt, kept in ((draft_path, 5), (path, 1)):  # the prefill's pairs the draft keeps
-        prop = EagleProposer(tiny_backbone, str(ckpt))
+        prop = EagleProposer(tiny_backbone, functools.partial(ContiguousKV, max_len=64), str(ckpt))
         prop.start(0, [1, 2, 3, 4, 5])
         prop.observe(0, [2, 3, 4, 5, 6], torch.randn(5, dim))
         assert len(prop.seqs[0].tokens) == kept

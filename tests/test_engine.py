@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from components.sampler.logits import RepetitionPenalty
-from pipeline.core import Proposer, StepBatch, Tree, forward_rows
+from pipeline.core import StepBatch, Tree, forward_rows, forward_step
 from pipeline.decode import decode
 
 from conftest import compose_config
 from test_decode import (TEXT_PROMPTS, TINY_VARIANTS, assert_generation_invariants, decoder_for, random_prompts,
                          reference_greedy, replace)
+from toy import PerSequence
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def test_one_step_packs_every_sequence_block_diagonally(tiny_backbone):
         tree = Tree.from_paths(3, [[4, 5], [6]])
         step = StepBatch.build([a, b, c], [tree.tokens, torch.tensor([13]), torch.tensor([1, 2, 3])],
                                [tree.depth, None, None], [tree.mask, None, None], [5, 2, 0])
-        h = model.step(step, kv)
+        h = forward_step(model, kv, step)
         pa = model(torch.tensor([[5, 6, 7, 8, 9, 3, 4, 5]]), torch.arange(8)[None])[0, -3:]  # root, 4, 5
         pa6 = model(torch.tensor([[5, 6, 7, 8, 9, 3, 6]]), torch.arange(7)[None])[0, -1]  # the sibling branch
         pb = model(torch.tensor([[11, 12, 13]]), torch.arange(3)[None])[0, -1]
@@ -79,7 +80,7 @@ def test_one_step_packs_every_sequence_block_diagonally(tiny_backbone):
     torch.testing.assert_close(h[5:], pc, rtol=1e-4, atol=1e-4)
 
 
-class GreedyOracle(Proposer):
+class GreedyOracle(PerSequence):
     """Proposes the next `depth` tokens of the plain greedy run (then filler), per sequence: its
     trees always reach past max_new_tokens and the context end, which the engine must prune."""
 
@@ -90,7 +91,7 @@ class GreedyOracle(Proposer):
     def start(self, seq, prompt_ids):
         self.state[seq] = (self.by_prompt[tuple(prompt_ids)], len(prompt_ids))
 
-    def propose(self, state):
+    def draft(self, state):
         ref, plen = self.state[state.seq]
         n = len(state.tokens) - plen  # generated so far, the root included
         return Tree.from_paths(state.tokens[-1], [(ref[n:] + [1] * self.depth)[:self.depth]])
@@ -126,11 +127,11 @@ def test_decoding_up_to_the_context_end_equals_plain_greedy(tiny_variants, prese
         assert sum(max(g.tree_depths, default=0) for g in gens) > 0
 
 
-class Failing(Proposer):
+class Failing(PerSequence):
     def __init__(self, after: int):
         self.after, self.calls = after, 0
 
-    def propose(self, state):
+    def draft(self, state):
         self.calls += 1
         if self.calls > self.after:
             raise RuntimeError("proposer failed")
@@ -144,7 +145,7 @@ def test_a_failed_or_interrupted_run_leaks_no_block(tiny_variants, kv, exc):
     eng = decoder_for("tree_ngram", bb, f"kv={kv}", "batch_size=3", max_new_tokens=30)
     failing = Failing(after=7)
     if exc is KeyboardInterrupt:
-        failing.propose = lambda state, f=failing.propose: (_ for _ in ()).throw(KeyboardInterrupt) \
+        failing.draft = lambda state, f=failing.draft: (_ for _ in ()).throw(KeyboardInterrupt) \
             if failing.calls >= 7 else f(state)
     eng = replace(eng, proposer=failing)
     with pytest.raises(exc):
@@ -173,7 +174,7 @@ def test_a_failure_while_requests_join_or_stream_leaks_no_block(tiny_variants, k
     assert eng.kv.sequences == [] and eng.kv.stats()["bytes_in_use"] == 0
 
 
-class Recorder(Proposer):
+class Recorder(PerSequence):
     """Records what `observe` reports, proposes nothing."""
 
     def __init__(self):
@@ -182,7 +183,7 @@ class Recorder(Proposer):
     def start(self, seq, prompt_ids):
         self.seen[seq] = [list(prompt_ids[:1]), []]
 
-    def propose(self, state):
+    def draft(self, state):
         return Tree.from_paths(state.tokens[-1], [[7, 7], [8]])  # rejected or not, observe must be right
 
     def observe(self, seq, tokens, hidden):

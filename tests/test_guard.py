@@ -93,7 +93,7 @@ class SlowSteps:
 
     def step(self, batch, kv, layers=None):
         import time
-        until = time.perf_counter() + (self.base + self.per_row * batch.rows) / 1e3
+        until = time.perf_counter() + (self.base + self.per_row * batch.tokens.shape[0]) / 1e3
         h = self.model.step(batch, kv, layers)
         time.sleep(max(0.0, until - time.perf_counter()))
         return h
@@ -110,7 +110,8 @@ def test_policy_prediction_is_within_15_percent_of_the_measured_speedup(tiny_bac
     from components.kv.contiguous import ContiguousKV
     from components.sampler.logits import Sampler
     from components.verifier.greedy import GreedyVerifier
-    from pipeline.core import Engine, Proposer, Tree
+    from pipeline.core import Engine, Tree
+    from toy import PerSequence
 
     bb = tiny_backbone
     slow = SlowSteps(bb.model)
@@ -125,8 +126,8 @@ def test_policy_prediction_is_within_15_percent_of_the_measured_speedup(tiny_bac
     plain.generate(ids)  # warm-up
     ref = plain.generate(ids)
 
-    class Oracle(Proposer):
-        def propose(self, state):
+    class Oracle(PerSequence):
+        def draft(self, state):
             k = len(state.tokens) - len(ids) - 1  # tokens committed after the first
             nxt = ref.token_ids[k + 1:k + 3]
             if len(nxt) < 2:

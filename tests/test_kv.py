@@ -47,11 +47,11 @@ def step(kv, ref: Reference, seqs: list[int], counts: list[int], gen: torch.Gene
     what every layer's update returns against the reference."""
     toks = [torch.zeros(n, dtype=torch.long) for n in counts]
     batch = StepBatch.build(seqs, toks, [None] * len(seqs), [None] * len(seqs), [kv.used(s) for s in seqs])
-    R = batch.rows
-    kvals = torch.randn(L, 2, R, NKV, HS, generator=gen)
-    kv.begin_step(batch)
+    kvals = torch.randn(L, 2, sum(counts), NKV, HS, generator=gen)
+    plan = kv.begin_step(batch)
+    assert plan.seqs == seqs and plan.counts == counts and plan.span == batch.span
     for layer in range(L):
-        K, V = kv.update(layer, kvals[layer, 0], kvals[layer, 1], batch)
+        K, V = kv.update(layer, kvals[layer, 0], kvals[layer, 1], plan)
         assert K.shape == V.shape == (len(seqs), NKV, batch.span, HS)
         for b, s in enumerate(seqs):
             o, n = batch.offsets[b], counts[b]
@@ -60,7 +60,7 @@ def step(kv, ref: Reference, seqs: list[int], counts: list[int], gen: torch.Gene
             used = len(old) + n
             torch.testing.assert_close(K[b, :, :used], want[:, 0].transpose(0, 1), rtol=0, atol=0)
             torch.testing.assert_close(V[b, :, :used], want[:, 1].transpose(0, 1), rtol=0, atol=0)
-    kv.end_step(batch)
+    kv.end_step(plan)
     for b, s in enumerate(seqs):
         o = batch.offsets[b]
         ref.pending[s] += list(kvals[:, :, o:o + counts[b]].permute(2, 0, 1, 3, 4).unbind(0))
@@ -226,16 +226,14 @@ def test_paged_forks_share_the_prompt():
     kv = make("paged", bb, ["kv.block_size=16", "kv.num_blocks=64"])
     root = kv.create()
     batch = StepBatch.build([root], [torch.zeros(500, dtype=torch.long)], [None], [None], [0])
-    kv.begin_step(batch)
-    kv.end_step(batch)  # the slots exist; their values do not matter here
+    kv.end_step(kv.begin_step(batch))  # the slots exist; their values do not matter here
     kv.commit(root)
     one = kv.stats()["bytes_in_use"]
     forks = [kv.fork(root) for _ in range(3)]
     for _ in range(20):
         for s in [root, *forks]:
             batch = StepBatch.build([s], [torch.zeros(1, dtype=torch.long)], [None], [None], [kv.used(s)])
-            kv.begin_step(batch)
-            kv.end_step(batch)
+            kv.end_step(kv.begin_step(batch))
             kv.commit(s)
     stats = kv.stats()
     single = -(-520 // 16) * 16 * kv.slot_bytes  # one sequence of 520 tokens, alone
@@ -252,7 +250,37 @@ def test_contiguous_batch_in_consecutive_slots_is_a_view():
     seqs = [kv.create() for _ in range(3)]
     assert kv.batch_order(list(reversed(seqs))) == seqs
     batch = StepBatch.build(seqs, [torch.zeros(2, dtype=torch.long)] * 3, [None] * 3, [None] * 3, [0, 0, 0])
-    kv.begin_step(batch)
-    K, _ = kv.update(0, torch.zeros(6, NKV, HS), torch.zeros(6, NKV, HS), batch)
+    plan = kv.begin_step(batch)
+    K, _ = kv.update(0, torch.zeros(6, NKV, HS), torch.zeros(6, NKV, HS), plan)
     assert K.data_ptr() == kv.buf[0, 0].data_ptr()  # no copy
-    kv.end_step(batch)
+    kv.end_step(plan)
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_a_plan_is_all_a_step_needs(option):
+    """`update` and `end_step` read nothing but their arguments: two steps begun before either ends
+    (disjoint sequences, as a draft pass next to a target step) write and read what each would alone,
+    the second's begin_step growing the pool under the first's plan."""
+    kv, ref, gen = make(option), Reference(), torch.Generator().manual_seed(0)
+    a, b = kv.create(), kv.create()
+    for s in (a, b):
+        ref.committed[s], ref.pending[s] = [], []
+    step(kv, ref, [a], [2], gen)
+    kv.commit(a)
+    ref.committed[a], ref.pending[a] = ref.pending[a], []
+    pa = kv.begin_step(StepBatch.build([a], [torch.zeros(3, dtype=torch.long)], [None], [None], [2]))
+    pb = kv.begin_step(StepBatch.build([b], [torch.zeros(9, dtype=torch.long)], [None], [None], [0]))
+    new = {a: torch.randn(L, 3, NKV, HS, generator=gen), b: torch.randn(L, 9, NKV, HS, generator=gen)}
+    for layer in range(L):
+        Kb, _ = kv.update(layer, new[b][layer], new[b][layer], pb)
+        Ka, _ = kv.update(layer, new[a][layer], new[a][layer], pa)
+        want = torch.cat((torch.stack([x[layer, 0] for x in ref.committed[a]]), new[a][layer]))  # (5, NKV, HS)
+        torch.testing.assert_close(Ka[0, :, :5], want.transpose(0, 1), rtol=0, atol=0)
+        torch.testing.assert_close(Kb[0, :, :9], new[b][layer].transpose(0, 1), rtol=0, atol=0)
+    kv.end_step(pb)
+    kv.end_step(pa)
+    assert (kv.pending(a), kv.pending(b)) == (3, 9)
+    for s in (a, b):
+        kv.commit(s)
+        ref.committed[s] += [torch.stack((x, x), 1) for x in new[s].unbind(1)]  # (L, 2, NKV, HS) per slot
+    check(kv, ref)

@@ -265,8 +265,8 @@ def test_p_min_drops_unlikely_drafts_and_stays_lossless(trained, tiny_backbone, 
         eng = decoder_for("tree_medusa", tiny_backbone, ckpt, "proposer.tree_file=null", "tree.width=2",
                           "tree.depth=3", "tree.max_nodes=8", f"proposer.p_min={p_min}", max_new_tokens=24)
         nodes = []
-        orig = eng.proposer.propose_all
-        eng.proposer.propose_all = lambda states: [nodes.append(0 if t is None else t.size - 1) or t
+        orig = eng.proposer.propose
+        eng.proposer.propose = lambda states: [nodes.append(0 if t is None else t.size - 1) or t
                                                    for t in orig(states)]
         assert [g.token_ids for g in eng.run(prompts)] == ref
         sizes[p_min] = sum(nodes)

@@ -169,7 +169,7 @@ def test_real_model_native_step_agrees_with_the_pure_torch_path(dtype):
     every layer's output to bfloat16, at other places), and the next token differs at most at two
     prompts, each a near-tie of the pure-torch path (its top two closer than the deviation; one
     benchmark prompt is an exact tie in q4)."""
-    from pipeline.core import StepBatch
+    from pipeline.core import StepBatch, forward_step
     from components.kv.contiguous import ContiguousKV
     bbs = {n: from_pretrained(dtype=dtype, native=n) for n in (False, True)}
     assert bbs[True].model.native is not None and bbs[False].model.native is None
@@ -181,7 +181,7 @@ def test_real_model_native_step_agrees_with_the_pure_torch_path(dtype):
         for p in prompts:
             kv = ContiguousKV(bb, max_len=len(p) + 1)
             seq = kv.create()
-            h = m.step(StepBatch.build([seq], [torch.tensor(p)], [None], [None], [0], m.attn_dtype), kv)
+            h = forward_step(m, kv, StepBatch.build([seq], [torch.tensor(p)], [None], [None], [0], m.attn_dtype))
             rows.append(m.logits(h[-1:])[0])
             kv.free(seq)
         out[n] = torch.stack(rows)

@@ -14,10 +14,11 @@ import torch
 from components.sampler.logits import Sampler
 from components.verifier.exact import ExactVerifier
 from components.verifier.typical import TypicalVerifier
-from pipeline.core import Accepted, Proposer, Target, Tree
+from pipeline.core import Accepted, Target, Tree
 
 from conftest import compose_config
 from test_decode import decoder_for, replace
+from toy import PerSequence
 
 V = 4  # vocabulary of the synthetic target and draft
 
@@ -202,11 +203,11 @@ def tiny_truth(bb, prompt: list[int], sampler: Sampler, n: int) -> dict[tuple, f
     return out
 
 
-class RepeatProposer(Proposer):
+class RepeatProposer(PerSequence):
     """Deterministic drafts the tied tiny model often agrees with: its last token twice, and the
     token before it as a sibling."""
 
-    def propose(self, state):
+    def draft(self, state):
         t, u = state.tokens[-1], state.tokens[-2]
         return Tree.from_parents([t, t, u, t], [-1, 0, 0, 1])
 

@@ -13,7 +13,7 @@ from components.kv.contiguous import ContiguousKV
 from components.model.llama import attention as our_attention
 from components.model.load import tiny
 from components.verifier.greedy import GreedyVerifier
-from pipeline.core import StaticTree, Target, Tree, forward_rows
+from pipeline.core import StaticTree, StepBatch, Target, Tree, forward_rows
 
 # ---------------------------------------------------------------------------------------------
 # (a) the seed experiment: packed attention with an ancestry mask == per-branch reference
@@ -81,23 +81,41 @@ def seed_as_our_tree() -> Tree:
     return Tree.from_parents([11] + SEED_TOKENS, [-1] + [p + 1 for p in SEED_PARENTS])
 
 
+def step_view(tree: Tree, prefix_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a target step shows the tree's nodes after `prefix_len` committed slots, packed as the
+    engine packs it (StepBatch.build): (N, P + N) bool, the slots each node attends to, and (N,)
+    its position ids."""
+    step = StepBatch.build([0], [tree.tokens], [tree.depth], [tree.mask], [prefix_len])
+    return step.bias[0, 0] == 0, step.positions
+
+
+def test_visible_shows_a_row_only_the_held_slots_given():
+    """StepBatch.build(visible=): per row, which of the slots its sequence holds it reads (EAGLE's
+    draft shows each node its ancestors' tentative slots only); its own rows as the mask says."""
+    vis = torch.tensor([[True, False, True], [True, True, False]])
+    step = StepBatch.build([0], [torch.tensor([5, 6])], [torch.zeros(2, dtype=torch.long)],
+                           [torch.eye(2, dtype=torch.bool)], [3], visible=[vis])
+    assert (step.bias[0, 0] == 0).tolist() == [[True, False, True, True, False], [True, True, False, False, True]]
+    assert step.positions.tolist() == [3, 3]
+
+
 def test_seed_tree_mask_and_positions_match_our_tree():
     tree = seed_as_our_tree()
-    ours = tree.attention_mask(SEED_P - 1)[0, 0]  # (N + 1, P + N)
+    ours = step_view(tree, SEED_P - 1)[0]  # (N + 1, P + N)
     seed = seed_tree_mask(SEED_PARENTS, SEED_P)  # (N, P + N)
     assert ours.shape == (len(SEED_PARENTS) + 1, SEED_P + len(SEED_PARENTS))
     assert torch.equal(ours[1:], seed)
     assert ours[1:].sum(-1).tolist() == [3, 3, 4, 4, 4, 5, 5, 5]
-    assert tree.positions(SEED_P - 1)[0, 1:].tolist() == [2, 2, 3, 3, 3, 4, 4, 4]
+    assert step_view(tree, SEED_P - 1)[1][1:].tolist() == [2, 2, 3, 3, 3, 4, 4, 4]
     assert tree.depth.tolist() == [0, 1, 1, 2, 2, 2, 3, 3, 3]
     # packed index is never the position: siblings share one
-    assert tree.positions(SEED_P - 1)[0].tolist() != list(range(SEED_P - 1, SEED_P - 1 + tree.size))
+    assert step_view(tree, SEED_P - 1)[1].tolist() != list(range(SEED_P - 1, SEED_P - 1 + tree.size))
 
 
 def _seed_tensors():
     g = torch.Generator().manual_seed(233)
     b, h, p, n, d = 1, 2, SEED_P, len(SEED_PARENTS), 8
-    positions = seed_as_our_tree().positions(SEED_P - 1)[0, 1:]
+    positions = step_view(seed_as_our_tree(), SEED_P - 1)[1][1:]
     bkraw = torch.randn(b, h, p, d, generator=g, dtype=torch.float64)
     bv = torch.randn(b, h, p, d, generator=g, dtype=torch.float64)
     qraw, ckraw, cv = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64) for _ in range(3))
@@ -106,7 +124,7 @@ def _seed_tensors():
 
 def test_packed_tree_attention_equals_branch_reference_and_causal_mask_leaks():
     q, bk, bv, ck, cv = _seed_tensors()
-    mask = seed_as_our_tree().attention_mask(SEED_P - 1)[0, 0, 1:]  # our mask, seed layout
+    mask = step_view(seed_as_our_tree(), SEED_P - 1)[0][1:]  # our mask, seed layout
     reference = branch_reference(q, bk, bv, ck, cv, SEED_PARENTS)
     packed = packed_attention(q, bk, bv, ck, cv, mask)
     torch.testing.assert_close(packed, reference, rtol=1e-12, atol=1e-12)
@@ -122,7 +140,7 @@ def test_model_attention_kernel_with_tree_mask_equals_branch_reference():
     with the additive bias built exactly as Transformer.forward builds it. That kernel takes its
     softmax in float32 by design (the model runs in float32/bfloat16), hence 1e-6, not 1e-12."""
     q, bk, bv, ck, cv = _seed_tensors()
-    mask = seed_as_our_tree().attention_mask(SEED_P - 1)[:, :, 1:]  # (1, 1, N, P + N)
+    mask = step_view(seed_as_our_tree(), SEED_P - 1)[0][None, None, 1:]  # (1, 1, N, P + N)
     bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
     out = our_attention(q, torch.cat((bk, ck), -2), torch.cat((bv, cv), -2), bias)
     torch.testing.assert_close(out, branch_reference(q, bk, bv, ck, cv, SEED_PARENTS), rtol=0, atol=1e-6)
@@ -298,7 +316,7 @@ def test_static_tree_from_choices():
     assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3]
     assert tree.depth.tolist() == [0, 1, 1, 2, 2, 2, 3]
     ref = Tree.from_parents(tree.tokens.tolist(), tree.parents.tolist())
-    assert torch.equal(tree.mask, ref.mask) and torch.equal(tree.attention_mask(5), ref.attention_mask(5))
+    assert torch.equal(tree.mask, ref.mask) and torch.equal(step_view(tree, 5)[0], step_view(ref, 5)[0])
 
 
 @pytest.mark.parametrize("choices", [[], [[]], [[0], [-1]], [[0, 0]], [[0], [1, 0]], [[0], [0, 0, 0]]])

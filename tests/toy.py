@@ -2,15 +2,27 @@
 stage and verifiers: its logits are a function of the context a row continues (`script(ctx)`), so a
 test states exactly which token wins where. The context is read back from the KV cache (each slot
 stores its token id as the key), so it is what the row attends to: cached slots plus its tree
-ancestors."""
+ancestors. `PerSequence` is the base of the tests' scripted proposers."""
 from __future__ import annotations
 
+from abc import abstractmethod
 from types import SimpleNamespace
 from typing import Callable
 
 import torch
 
 from components.kv.contiguous import ContiguousKV
+from pipeline.core import DecodeState, Proposer, Tree
+
+
+class PerSequence(Proposer):
+    """A test proposer that drafts each sequence on its own: subclasses define `draft(state)`."""
+
+    def propose(self, states: list[DecodeState]) -> list[Tree | None]:
+        return [self.draft(s) for s in states]
+
+    @abstractmethod
+    def draft(self, state: DecodeState) -> Tree | None: ...
 
 
 class ScriptedModel:
@@ -25,12 +37,10 @@ class ScriptedModel:
         return ContiguousKV(max_len=self.args.max_seq_len, n_layers=1, n_kv_heads=1, head_dim=1)
 
     def step(self, batch, kv, layers=None) -> torch.Tensor:
-        kv.begin_step(batch)
         k = batch.tokens.float().view(-1, 1, 1)
-        K, _ = kv.update(0, k, k, batch)  # (B, 1, S, 1): each sequence's cached slots and its new rows
-        kv.end_step(batch)
+        K, _ = kv.update(0, k, k, batch.plan)  # (B, 1, S, 1): each sequence's cached slots and its new rows
         width = self.args.max_seq_len
-        out = torch.full((batch.rows, width), -1.0)
+        out = torch.full((batch.tokens.shape[0], width), -1.0)
         r = 0
         for b, n in enumerate(batch.counts):
             start = batch.starts[b]

@@ -33,7 +33,7 @@ from components.data.prompts import prompt_filter, training_prompts
 from components.kv.contiguous import ContiguousKV
 from components.kv.paged import PagedKV
 from components.sampler.logits import Sampler
-from pipeline.core import Engine, StepBatch, UserError, atomic_write, encode_chat, positive_int
+from pipeline.core import Engine, StepBatch, UserError, atomic_write, encode_chat, forward_step, positive_int
 
 
 @dataclass
@@ -157,7 +157,7 @@ def build_context(backbone, out: Path, config: dict, n: int, batch_size: int = 1
             step = StepBatch.build(seqs, [torch.tensor(e) for e in encoded], [None] * len(seqs), [None] * len(seqs),
                                    [0] * len(seqs), model.attn_dtype)
             with torch.inference_mode():
-                h = model.step(step, kv).to(torch.bfloat16)
+                h = forward_step(model, kv, step).to(torch.bfloat16)
             for k, (e, q) in enumerate(zip(encoded, seqs)):
                 kv.free(q)
                 hk = h[step.offsets[k]:step.offsets[k + 1]]

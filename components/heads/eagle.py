@@ -164,15 +164,13 @@ class EagleDraft(nn.Module):
 
     @torch.inference_mode()
     def step(self, batch, kv, feats: torch.Tensor) -> torch.Tensor:
-        """Decoding: the rows of `batch` (StepBatch over the draft's own KV pool; `batch.tokens` are the
-        y_{t+1}) with their features feats (R, dim) -> predicted features (R, dim); the rows become
-        tentative slots of the draft cache."""
+        """Decoding: the rows of `batch` (StepBatch over the draft's own KV pool, its plan set:
+        `pipeline.core.forward_step`; `batch.tokens` are the y_{t+1}) with their features feats
+        (R, dim) -> predicted features (R, dim)."""
         x = self.inputs(feats, batch.tokens)[None]  # (1, R, dim)
         cos, sin = self.rope(batch.positions[None])
         attend = cached_attention(batch, kv, torch.float32, self.args.n_kv_heads != self.args.n_heads)
-        kv.begin_step(batch)
         x = self.block(x, cos, sin, attend)
-        kv.end_step(batch)
         return self.norm(x)[0]
 
     # --- checkpoints: components/heads/checkpoint.py --------------------------------------------

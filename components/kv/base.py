@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.core import KVManager
+from pipeline.core import KVManager, KVPlan
 
 
 class SequencePool(KVManager):
@@ -23,7 +23,6 @@ class SequencePool(KVManager):
         self._len: dict[int, int] = {}
         self._pend: dict[int, int] = {}
         self._next = 0
-        self._plan = None  # the current step's index tensors (begin_step .. end_step)
         self.peak_bytes = 0
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
@@ -52,10 +51,9 @@ class SequencePool(KVManager):
     def sequences(self) -> list[int]:
         return list(self._len)
 
-    def end_step(self, step) -> None:
-        for seq, n in zip(step.seqs, step.counts):
+    def end_step(self, plan: KVPlan) -> None:
+        for seq, n in zip(plan.seqs, plan.counts):
             self._pend[seq] += n
-        self._plan = None  # the step's index tensors, built by begin_step
 
     def commit(self, seq: int, keep=None) -> None:
         self._check(seq)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from components.kv.base import SequencePool
+from pipeline.core import KVPlan
 
 
 class ContiguousKV(SequencePool):
@@ -57,36 +58,34 @@ class ContiguousKV(SequencePool):
         return sorted(seqs, key=self._slot.__getitem__)
 
     # --- a step ----------------------------------------------------------------------------------
-    def begin_step(self, step) -> None:
+    def begin_step(self, step) -> KVPlan:
         need = step.span
         if need > self.capacity:
             self._grow(self.buf.shape[2], max(need, 2 * self.capacity))
             self._note_peak()
         slots = [self._slot[s] for s in step.seqs]
-        if len(slots) == 1:
-            self._plan = (slots[0], None, None, None)
-            return
         counts = step.counts
+        if len(slots) == 1:  # one slab, its rows in order: slice writes and a view
+            s0 = step.starts[0]
+            return KVPlan(list(step.seqs), counts, step.span, (slots[0], slice(s0, s0 + counts[0])),
+                          slice(slots[0], slots[0] + 1))
         wslot = torch.tensor(slots).repeat_interleave(torch.tensor(counts))  # (R,)
         wpos = torch.cat([s + torch.arange(n) for s, n in zip(step.starts, counts)])  # (R,)
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
-        self._plan = (None, self._dev(wslot), self._dev(wpos), None if consecutive else self._dev(torch.tensor(slots)))
+        read = slice(slots[0], slots[0] + len(slots)) if consecutive else self._dev(torch.tensor(slots))
+        return KVPlan(list(step.seqs), counts, step.span, (self._dev(wslot), self._dev(wpos)), read)
 
-    def update(self, layer, k, v, step):
+    def update(self, layer, k, v, plan):
         kb, vb = self.buf[layer, 0], self.buf[layer, 1]  # (slots, nkv, capacity, hs)
-        one, wslot, wpos, gather = self._plan
-        S = step.span
-        if one is not None:
-            s0, R = step.starts[0], k.shape[0]
-            kb[one, :, s0:s0 + R] = k.transpose(0, 1)
-            vb[one, :, s0:s0 + R] = v.transpose(0, 1)
-            return kb[one:one + 1, :, :S], vb[one:one + 1, :, :S]  # (1, nkv, S, hs) views
-        kb[wslot, :, wpos] = k  # (R, nkv, hs) scattered to (slot, position)
-        vb[wslot, :, wpos] = v
-        if gather is None:
-            a = self._slot[step.seqs[0]]
-            return kb[a:a + len(step.seqs), :, :S], vb[a:a + len(step.seqs), :, :S]
-        return kb[gather, :, :S], vb[gather, :, :S]  # (B, nkv, S, hs) copies
+        slot, pos = plan.write
+        if isinstance(pos, slice):  # a lone sequence: (nkv, R, hs) in its slab
+            kb[slot, :, pos] = k.transpose(0, 1)
+            vb[slot, :, pos] = v.transpose(0, 1)
+        else:
+            kb[slot, :, pos] = k  # (R, nkv, hs) scattered to (slab, position)
+            vb[slot, :, pos] = v
+        S = plan.span
+        return kb[plan.read, :, :S], vb[plan.read, :, :S]  # (B, nkv, S, hs): views, or copies when gathered
 
     def _move(self, seq, src, dst) -> None:
         row = self.buf[:, :, self._slot[seq]]  # (n_layers, 2, nkv, capacity, hs)

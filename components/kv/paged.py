@@ -17,6 +17,7 @@ import heapq
 import torch
 
 from components.kv.base import SequencePool
+from pipeline.core import KVPlan
 
 
 class PagedKV(SequencePool):
@@ -92,7 +93,7 @@ class PagedKV(SequencePool):
             self._decref(b)
 
     # --- a step ----------------------------------------------------------------------------------
-    def begin_step(self, step) -> None:
+    def begin_step(self, step) -> KVPlan:
         bs = self.block_size
         wblk, woff, reads = [], [], []
         for seq, start, n in zip(step.seqs, step.starts, step.counts):
@@ -115,21 +116,20 @@ class PagedKV(SequencePool):
         self._note_peak()
         nb = -(-step.span // bs)
         if len(reads) == 1 and reads[0][:nb] == list(range(reads[0][0], reads[0][0] + nb)):
-            read = (reads[0][0], reads[0][0] + nb)  # consecutive blocks: a view of the pool
+            read = slice(reads[0][0], reads[0][0] + nb)  # consecutive blocks: a view of the pool
         else:
             read = self._dev(torch.tensor([r[:nb] + [r[0]] * (nb - len(r[:nb])) for r in reads]))  # (B, nb), padded
-        self._plan = (self._dev(torch.cat(wblk)), self._dev(torch.cat(woff)), read, nb)
+        return KVPlan(list(step.seqs), step.counts, step.span, (self._dev(torch.cat(wblk)), self._dev(torch.cat(woff))),
+                      read)
 
-    def update(self, layer, k, v, step):
+    def update(self, layer, k, v, plan):
         kp, vp = self.pool[layer, 0], self.pool[layer, 1]  # (n_blocks, block_size, nkv, hs)
-        wblk, woff, read, nb = self._plan
+        wblk, woff = plan.write
         kp[wblk, woff] = k  # (R, nkv, hs)
         vp[wblk, woff] = v
-        B, S, shape = len(step.seqs), step.span, (len(step.seqs), nb * self.block_size, self.n_kv, self.hs)
-        if isinstance(read, tuple):
-            K, V = kp[read[0]:read[1]].view(shape), vp[read[0]:read[1]].view(shape)
-        else:
-            K, V = kp[read].view(shape), vp[read].view(shape)  # (B, nb, block, nkv, hs) gathered
+        S, bs = plan.span, self.block_size
+        shape = (len(plan.seqs), -(-S // bs) * bs, self.n_kv, self.hs)
+        K, V = kp[plan.read].view(shape), vp[plan.read].view(shape)  # a view, or (B, nb, block, nkv, hs) gathered
         return K[:, :S].transpose(1, 2), V[:, :S].transpose(1, 2)  # (B, nkv, S, hs)
 
     def _move(self, seq, src, dst) -> None:

@@ -174,7 +174,7 @@ class Block(nn.Module):
         eps = self.attn_norm.eps
         q, k, v = ops.pre_attention(x, self.attn_norm.weight, eps, *self.wqkv.spec(plan.kernel("wqkv", R)), self.bqkv,
                                     cos, sin, self.n_heads, self.n_kv, self.hs)  # (R, nh, hs), (R, nkv, hs) x 2
-        K, V = kv.update(self.layer_id, k, v, batch)  # (B, nkv, S, hs): cached + these rows
+        K, V = kv.update(self.layer_id, k, v, batch.plan)  # (B, nkv, S, hs): cached + these rows
         B, T = len(batch.seqs), batch.width
         if B == 1:
             qb = q[None]  # (1, T, nh, hs)
@@ -196,13 +196,13 @@ class Block(nn.Module):
 
 def cached_attention(batch: StepBatch, kv, adt: torch.dtype, gqa: bool):
     """The `attend(layer, q, k, v)` of a cached step (`Block.forward`): the rows' keys/values go into
-    their sequences' caches in `kv`, and each row attends, in dtype `adt`, to its sequence's cached
-    slots plus what the step's tree mask allows among its rows."""
+    their sequences' caches in `kv`, where the step's plan (`batch.plan`) says, and each row attends,
+    in dtype `adt`, to its sequence's cached slots plus what the step's tree mask allows among its rows."""
     B, T = len(batch.seqs), batch.width
 
     def attend(layer, q, k, v):  # q: (1, R, nh, hs); k, v: (1, R, nkv, hs)
         xdt = q.dtype
-        K, V = kv.update(layer, k[0].to(adt), v[0].to(adt), batch)  # (B, nkv, S, hs): cached + these rows
+        K, V = kv.update(layer, k[0].to(adt), v[0].to(adt), batch.plan)  # (B, nkv, S, hs): cached + these rows
         q = q.to(adt)
         if B == 1:
             qb = q.transpose(1, 2)  # (1, nh, R, hs)
@@ -293,29 +293,28 @@ class Transformer(nn.Module):
 
     def step(self, batch: StepBatch, kv, layers: list[int] | None = None) -> torch.Tensor:
         """One forward over the packed rows of several sequences (`pipeline.core.StepBatch`), through
-        their caches in `kv`: each row sees its own sequence's cached slots and, among the step's
-        rows, what its tree mask allows. `layers` runs a subset of the blocks (layer-skipping
-        drafts). Returns hidden (R, dim) after the final norm; the rows become tentative slots."""
+        their caches in `kv`, written where the step's plan says (`batch.plan`: the caller begins and
+        ends the step, `pipeline.core.forward_step`): each row sees its own sequence's cached slots
+        and, among the step's rows, what its tree mask allows. `layers` runs a subset of the blocks
+        (layer-skipping drafts). Returns hidden (R, dim) after the final norm."""
+        if batch.plan is None:
+            raise ValueError("the step has no KV plan: run it through pipeline.core.forward_step (kv.begin_step ... kv.end_step)")
         batch = batch.to(self.device)
         if self.native is not None:
             return self._native_step(batch, kv, layers)
         x = self.tok_embeddings(batch.tokens)[None]  # (1, R, dim): every row of every sequence
         cos, sin = self.rope(batch.positions[None], x.dtype)
         attend = cached_attention(batch, kv, self.attn_dtype, self.args.n_kv_heads != self.args.n_heads)
-        kv.begin_step(batch)
         for i in (range(len(self.layers)) if layers is None else layers):
             x = self.layers[i](x, cos, sin, attend)
-        kv.end_step(batch)
         return self.norm(x)[0]
 
     def _native_step(self, batch: StepBatch, kv, layers: list[int] | None) -> torch.Tensor:
         x = self.tok_embeddings(batch.tokens)  # (R, dim)
         freqs = batch.positions[:, None].float() * self.inv_freq  # (R, hs / 2)
         cos, sin = freqs.cos(), freqs.sin()
-        kv.begin_step(batch)
         for i in (range(len(self.layers)) if layers is None else layers):
             x = self.layers[i].native_forward(x, cos, sin, batch, kv, self.native)
-        kv.end_step(batch)
         return self.norm(x)
 
     @property
@@ -398,12 +397,6 @@ class Transformer(nn.Module):
         """A short id of the weights, to refuse heads trained on another backbone."""
         return getattr(self, "source_fingerprint", None) or fingerprint_of(
             self.args, self.layers[0].wqkv.dense(), self.tok_embeddings.weight.detach())
-
-    def remember_fingerprint(self):
-        """Fix the fingerprint from the weights as loaded (float32), before a cast or quantization
-        changes them: heads trained in one precision load in every other."""
-        self.source_fingerprint = self.fingerprint()
-        return self
 
 
 def decoding_choices(head: str = "dtype", kernels: str = "auto") -> tuple[str, str]:

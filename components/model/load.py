@@ -193,7 +193,6 @@ def assemble(args: LlamaArgs, weights: dict[str, torch.Tensor], q4: Q4, precisio
     missing = {m for m in missing if m.rsplit(".", 1)[0] not in q4}  # the Int4 modules came built
     if missing or unexpected:
         raise RuntimeError(f"weights do not fit the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-    model.inv_freq = rope_inv_freq(args).float().to(device)  # buffers are not in the state dict
     model.source_fingerprint = fingerprint_of(args, wqkv0, weights["tok_embeddings.weight"])
     dtype = torch.float32 if precision == "float32" else torch.bfloat16
     model = model.to(dtype).eval().requires_grad_(False)

@@ -1,7 +1,8 @@
 """EAGLE proposer: an EAGLE draft (components/heads/eagle.py) grows a dynamic tree per step (EAGLE-2).
 
-The draft keeps its own KV cache, one sequence of a small KV pool per decoding sequence, holding one
-slot per committed answer position, and per prompt position too for a draft trained with prompt
+The draft keeps its own KV cache, one sequence of a small KV pool (a manager of the run's `kv`
+group, shaped for the one-layer draft) per decoding sequence, holding one slot per committed answer
+position, and per prompt position too for a draft trained with prompt
 context (`data.context=true`; its checkpoint says `context: prompt`). Each step, for every live
 sequence at once (one packed draft forward per depth, `StepBatch` as in the target):
 
@@ -11,7 +12,8 @@ sequence at once (one packed draft forward per depth, `StepBatch` as in the targ
 2. depth by depth, the `width` nodes of the newest depth with the best cumulative draft
    log-probability are expanded: the draft reads (predicted feature of the parent, node token) as
    one new row per node, attending to the committed slots and to its ancestors' tentative slots
-   (written at earlier depths), and proposes each one's top `width` children;
+   (written at earlier depths: the step's `visible` slots), and proposes each one's top `width`
+   children;
 3. all candidates are re-ranked by cumulative log-probability and the best `max_nodes` form the
    tree (a child never scores above its parent, so the kept set is a tree); nodes below `p_min`
    are dropped. The draft's tentative slots are discarded.
@@ -37,13 +39,14 @@ import heapq
 import math
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from components.heads.eagle import EagleDraft
 from components.kv.contiguous import ContiguousKV
 from components.proposer.policy import best_prefix, measured_costs
-from pipeline.core import DecodeState, Proposer, StepBatch, Tree, UserError
+from pipeline.core import DecodeState, KVManager, Proposer, StepBatch, Tree, UserError, forward_step
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "checkpoints"
 
@@ -63,10 +66,14 @@ class _Seq:
 class EagleProposer(Proposer):
     sampled = False
 
-    def __init__(self, backbone, checkpoint: str | None = None, width: int = 6, depth: int = 5,
-                 max_nodes: int = 24, p_min: float = 0.0, nodes: str | None = None, min_gain: float = 1.0,
-                 batch_size: int = 1):
-        """batch_size: the run's (its steps have batch_size trees: nodes=auto weighs drafts at that size)."""
+    def __init__(self, backbone, kv: Callable[..., KVManager], checkpoint: str | None = None, width: int = 6,
+                 depth: int = 5, max_nodes: int = 24, p_min: float = 0.0, nodes: str | None = None,
+                 min_gain: float = 1.0, batch_size: int = 1):
+        """kv: makes the draft's KV pool from its shapes (n_layers, n_kv_heads, head_dim, dtype,
+        device): the run's `kv` group, partially applied (pipeline/build.py passes it). batch_size:
+        the run's (its steps have batch_size trees: nodes=auto weighs drafts at that size)."""
+        if not callable(kv):
+            raise TypeError(f"`kv` must make a KV manager (the run's kv group, partially applied), got {kv!r}")
         for name, v in (("width", width), ("depth", depth), ("max_nodes", max_nodes), ("batch_size", batch_size)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise UserError(f"proposer.{name} (tree.{name}) must be a positive int, got {v}")
@@ -89,9 +96,9 @@ class EagleProposer(Proposer):
         self.checkpoint_path = path
         self.width, self.depth, self.max_nodes, self.p_min = width, depth, max_nodes, float(p_min)
         a = self.draft.args
-        self.kv = ContiguousKV(None, 256, 1, a.n_kv_heads, a.head_dim, torch.float32, device=backbone.model.device)
+        self.kv = kv(n_layers=1, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, dtype=torch.float32,
+                     device=backbone.model.device)
         self.seqs: dict[int, _Seq] = {}
-        self.policy = None
         self.backbone, self.auto, self.min_gain, self.batch_size = backbone, nodes == "auto", float(min_gain), batch_size
         self.costs: dict[int, float] | None = None  # ms of a verification step by drafts (nodes=auto)
         self.draft_ms: list[float] = []  # the last draft forwards' wall times (nodes=auto)
@@ -99,8 +106,8 @@ class EagleProposer(Proposer):
         if self.auto:
             self._measure()
 
-    @property
-    def tree_spec(self) -> dict:
+    def describe(self) -> dict:
+        """Its "tree": the tree it grows, and under nodes=auto how it sized them in this run."""
         spec = {"dynamic": True, "width": self.width, "depth": self.depth, "max_nodes": self.max_nodes,
                 "p_min": self.p_min, "checkpoint": str(self.checkpoint_path),
                 "draft_storage": self.draft.storage, "draft_context": "prompt" if self.context else "answer"}
@@ -108,7 +115,7 @@ class EagleProposer(Proposer):
             steps = max(1, self.sized["steps"])
             spec.update(nodes="auto", min_gain=self.min_gain, step_ms_by_drafts=self.costs, sized_for_batch=self.batch_size,
                         mean_drafts=self.sized["drafts"] / steps, plain_step_share=self.sized["plain"] / steps)
-        return spec
+        return {"tree": spec}
 
     def _timed(self, t0: float) -> None:
         """nodes=auto: keep the last 16 draft forwards' times (their median gates deeper drafting)."""
@@ -143,11 +150,8 @@ class EagleProposer(Proposer):
             self.kv.free(s.dseq)
 
     # --- drafting ---------------------------------------------------------------------------------
-    def propose(self, state: DecodeState) -> Tree | None:
-        return self.propose_all([state])[0]
-
     @torch.inference_mode()
-    def propose_all(self, states: list[DecodeState]) -> list[Tree | None]:
+    def propose(self, states: list[DecodeState]) -> list[Tree | None]:
         live = [(st, self.seqs[st.seq]) for st in states if st.seq in self.seqs and self.seqs[st.seq].tokens]
         out: dict[int, Tree | None] = {st.seq: None for st in states}
         if not live:
@@ -157,7 +161,7 @@ class EagleProposer(Proposer):
         batch = StepBatch.build([s.dseq for _, s in live], [torch.tensor(s.tokens) for _, s in live],
                                 [None] * len(live), [None] * len(live), [kv.used(s.dseq) for _, s in live])
         t0 = time.perf_counter()
-        f = draft.step(batch, kv, torch.cat([torch.cat(s.feats) for _, s in live]))
+        f = forward_step(draft, kv, batch, torch.cat([torch.cat(s.feats) for _, s in live]))
         roots = f[[o - 1 for o in batch.offsets[1:]]]  # (B, dim)
         for _, s in live:
             kv.commit(s.dseq)
@@ -172,8 +176,8 @@ class EagleProposer(Proposer):
             if depth >= 1:
                 trees[-1].add_children(0, logp[b], self.width, draft.vocab_ids, roots[b])
         # 2. expand the best `width` nodes of the newest depth, all sequences in one draft forward:
-        # only the new rows run; each attends to the committed slots and to the tentative slots its
-        # ancestors were written to at earlier depths (a patched attention bias), never to a cousin's
+        # only the new rows run; each sees the committed slots and the tentative slots its ancestors
+        # were written to at earlier depths (`visible`), never a cousin's
         committed = {s.dseq: kv.length(s.dseq) for _, s in live}
         for d in range(2, self.depth + 1):
             grow = [(b, t) for b, t in enumerate(trees) if t.depth >= d and t.frontier(d - 1)]
@@ -187,20 +191,23 @@ class EagleProposer(Proposer):
             t0 = time.perf_counter()
             seqs = [live[b][1].dseq for b, _ in grow]
             starts = [kv.used(q) for q in seqs]
+            visible = []
+            for (_, t), pick, q, st in zip(grow, picks, seqs, starts):
+                base, vis = committed[q], None
+                if st > base:  # the committed slots, and of the tentative ones each row's ancestors'
+                    vis = torch.zeros(len(pick), st, dtype=torch.bool)
+                    vis[:, :base] = True
+                    for i, n in enumerate(pick):
+                        for a in t.ancestors(n):
+                            vis[i, base + t.slot[a]] = True
+                visible.append(vis)
+                for i, n in enumerate(pick):
+                    t.slot[n] = st - base + i
             batch = StepBatch.build(
                 seqs, [torch.tensor([t.token[n] for n in pick]) for (_, t), pick in zip(grow, picks)],
                 [torch.full((len(pick),), committed[q] + d - 2 - st) for q, st, pick in zip(seqs, starts, picks)],
-                [torch.eye(len(pick), dtype=torch.bool) for pick in picks], starts)
-            for k, ((_, t), pick, q, st) in enumerate(zip(grow, picks, seqs, starts)):
-                base = committed[q]
-                if st > base:  # tentative columns: closed, then each row's ancestors opened
-                    batch.bias[k, 0, :len(pick), base:st] = float("-inf")
-                    for i, n in enumerate(pick):
-                        for a in t.ancestors(n):
-                            batch.bias[k, 0, i, base + t.slot[a]] = 0.0
-                for i, n in enumerate(pick):
-                    t.slot[n] = st - base + i
-            f = draft.step(batch, kv, torch.stack([t.parent_feat[n] for (_, t), pick in zip(grow, picks) for n in pick]))
+                [torch.eye(len(pick), dtype=torch.bool) for pick in picks], starts, visible=visible)
+            f = forward_step(draft, kv, batch, torch.stack([t.parent_feat[n] for (_, t), pick in zip(grow, picks) for n in pick]))
             lp = torch.log_softmax(draft.logits(f), dim=-1).cpu()
             self._timed(t0)
             r = 0

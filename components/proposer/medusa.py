@@ -104,23 +104,22 @@ class MedusaProposer(Proposer):
         self.policy = size_tree(backbone, order, proposal_ms, digest, self.min_gain, self.batch_size)
         return self.policy["choices"]
 
-    @property
-    def tree_spec(self) -> dict:
-        """The tree it verifies (results.json summary "tree"; a search's best one becomes a tree file)."""
+    def describe(self) -> dict:
+        """Its "tree": the tree it verifies (a search's best one becomes a tree file); "policy": the
+        sizing decision with nodes=auto and a tree file, else None."""
         common = {"p_min": self.p_min, "checkpoint": str(self.checkpoint_path), "draft_storage": self.heads.storage}
         if self.dynamic:
-            return {"dynamic": True, "width": self.width, "max_nodes": self.max_nodes, **common}
-        return {"choices": None if self.tree is None else [list(c) for c in self.tree.choices], **common}
+            tree = {"dynamic": True, "width": self.width, "max_nodes": self.max_nodes, **common}
+        else:
+            tree = {"choices": None if self.tree is None else [list(c) for c in self.tree.choices], **common}
+        return {"tree": tree, "policy": self.policy}
 
     @property
     def active(self) -> bool:
         return self.dynamic or self.tree is not None
 
-    def propose(self, state: DecodeState) -> Tree | None:
-        return self.propose_all([state])[0]
-
     @torch.inference_mode()
-    def propose_all(self, states: list[DecodeState]) -> list[Tree | None]:
+    def propose(self, states: list[DecodeState]) -> list[Tree | None]:
         """Every live sequence's heads in one call: h (B, dim) -> (B, K, k) candidates."""
         if self.tree is None and not self.dynamic:
             return [None] * len(states)  # the policy chose plain decoding

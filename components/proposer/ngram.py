@@ -31,10 +31,9 @@ class NgramProposer(Proposer):
         self.max_backoff = max_backoff
         self.seqs: dict[int, _Backoff] = {}
 
-    @property
-    def tree_spec(self) -> dict:
-        """The tree shape it drafts (results.json summary "tree")."""
-        return {"width": self.width, "depth": self.depth, "max_nodes": self.max_nodes}
+    def describe(self) -> dict:
+        """Its "tree": the tree shape it drafts."""
+        return {"tree": {"width": self.width, "depth": self.depth, "max_nodes": self.max_nodes}}
 
     def start(self, seq, prompt_ids) -> None:
         self.seqs[seq] = _Backoff(backoff=min(1, self.max_backoff))
@@ -71,7 +70,11 @@ class NgramProposer(Proposer):
                         return found
         return found
 
-    def propose(self, state: DecodeState) -> Tree | None:
+    def propose(self, states: list[DecodeState]) -> list[Tree | None]:
+        return [self._lookup(s) for s in states]
+
+    def _lookup(self, state: DecodeState) -> Tree | None:
+        """One sequence's tree of continuations, or None (backing off, or nothing matches)."""
         b = self.seqs[state.seq]
         if b.skip > 0:
             b.skip -= 1

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from pipeline.core import StaticTree, StepBatch, atomic_write
+from pipeline.core import StaticTree, StepBatch, atomic_write, forward_step
 from components.kv.contiguous import ContiguousKV
 from components.model.load import cache_dir
 from components.model.tuner import machine_key
@@ -34,15 +34,18 @@ def step_costs(model, order: list[tuple[int, ...]], proposal_ms: float, prefix: 
                repeats: int = 5, batch: int = 1) -> dict[int, float]:
     """ms of a whole verification step with the first n paths of `order`, for n in SIZES (capped),
     for `batch` sequences drafting together (the run's batch size: its steps have batch x (n + 1)
-    rows, so the rows a draft adds cost what they cost at that size)."""
+    rows, so the rows a draft adds cost what they cost at that size).
+
+    A measuring tool, not a run's cache: its scratch pool is always contiguous, so the costs (cached
+    per machine, precision and batch size, never per `kv` option) time the same thing in every run."""
     a = model.args
     kv = ContiguousKV(None, prefix + len(order) + 8, a.n_layers, a.n_kv_heads, a.head_dim, model.attn_dtype,
                       device=model.device)
     g = torch.Generator().manual_seed(0)
     seqs = [kv.create() for _ in range(batch)]
     for seq in seqs:
-        model.step(StepBatch.build([seq], [torch.randint(0, a.vocab_size, (prefix,), generator=g)], [None], [None], [0],
-                                   model.attn_dtype), kv)
+        forward_step(model, kv, StepBatch.build([seq], [torch.randint(0, a.vocab_size, (prefix,), generator=g)], [None],
+                                                [None], [0], model.attn_dtype))
         kv.commit(seq)
     out = {}
     for n in sorted({min(s, len(order)) for s in SIZES}):
@@ -51,8 +54,8 @@ def step_costs(model, order: list[tuple[int, ...]], proposal_ms: float, prefix: 
         times = []
         for _ in range(repeats + 1):
             t = time.perf_counter()
-            h = model.step(StepBatch.build(seqs, tokens, [depth] * batch, [mask] * batch, [kv.used(s) for s in seqs],
-                                           model.attn_dtype), kv)
+            h = forward_step(model, kv, StepBatch.build(seqs, tokens, [depth] * batch, [mask] * batch,
+                                                        [kv.used(s) for s in seqs], model.attn_dtype))
             model.logits(h).argmax(-1).tolist()
             for seq in seqs:
                 kv.discard(seq)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.core import DecodeState, Proposer, StepBatch, Tree
+from pipeline.core import DecodeState, Proposer, StepBatch, Tree, forward_step
 
 
 def parse_layers(spec, n_layers: int) -> list[int]:
@@ -40,11 +40,8 @@ class SelfSpecProposer(Proposer):
         self.layers = parse_layers(layers, self.model.args.n_layers)
         self.depth, self.width, self.min_prob = depth, width, min_prob
 
-    def propose(self, state: DecodeState) -> Tree | None:
-        return self.propose_all([state])[0]
-
     @torch.inference_mode()
-    def propose_all(self, states: list[DecodeState]) -> list[Tree | None]:
+    def propose(self, states: list[DecodeState]) -> list[Tree | None]:
         """Every sequence's chain in lockstep: one draft forward (a row per sequence still drafting)
         per depth."""
         kv, model = states[0].kv, self.model
@@ -56,7 +53,7 @@ class SelfSpecProposer(Proposer):
             step = StepBatch.build([s.seq for s, _ in live], [torch.tensor([c.tok]) for _, c in live],
                                    [None] * len(live), [None] * len(live), [kv.used(s.seq) for s, _ in live],
                                    model.attn_dtype)
-            top = model.logits(model.step(step, kv, self.layers)).softmax(-1).topk(self.width)  # (B, width)
+            top = model.logits(forward_step(model, kv, step, self.layers)).softmax(-1).topk(self.width)  # (B, width)
             for (_, c), ids, ps in zip(live, top.indices.tolist(), top.values.tolist()):
                 if ps[0] < self.min_prob and d > 0:  # the draft is unsure: stop the chain here
                     c.stopped = True

@@ -4,14 +4,14 @@ nowhere else in `pipeline`; the core names no concrete component."""
 from pipeline.errors import UserError, positive_int
 from pipeline.io import append_jsonl, atomic_write, write_json
 from pipeline.core.tree import StaticTree, Tree, dynamic_tree
-from pipeline.core.types import Accepted, DecodeState, Generation, StepBatch
+from pipeline.core.types import Accepted, DecodeState, Generation, KVPlan, StepBatch
 from pipeline.core.target import Target, TargetStage
 from pipeline.core.protocols import Constraint, Grammar, KVManager, LogitsProcessor, Proposer, Sampler, Verifier
 from pipeline.core.chat import encode_chat
 from pipeline.core.runner import Request, Runner
-from pipeline.core.engine import Engine, forward_rows
+from pipeline.core.engine import Engine, forward_rows, forward_step
 from pipeline.core.beam import BeamSearch
 
-__all__ = ["Accepted", "BeamSearch", "Constraint", "DecodeState", "Engine", "Generation", "Grammar", "KVManager", "LogitsProcessor",
+__all__ = ["Accepted", "BeamSearch", "Constraint", "DecodeState", "Engine", "Generation", "Grammar", "KVManager", "KVPlan", "LogitsProcessor",
            "Proposer", "Request", "Runner", "Sampler", "StaticTree", "StepBatch", "Target", "TargetStage", "Tree", "UserError",
-           "Verifier", "append_jsonl", "atomic_write", "dynamic_tree", "encode_chat", "forward_rows", "positive_int", "write_json"]
+           "Verifier", "append_jsonl", "atomic_write", "dynamic_tree", "encode_chat", "forward_rows", "forward_step", "positive_int", "write_json"]

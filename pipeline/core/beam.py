@@ -31,7 +31,7 @@ import torch
 
 from pipeline.core.bits import words
 from pipeline.errors import UserError, positive_int
-from pipeline.core.runner import Request, Runner
+from pipeline.core.runner import Request, Runner, forward_step
 from pipeline.core.target import TargetStage
 from pipeline.core.types import Generation, StepBatch
 
@@ -127,7 +127,7 @@ class BeamSearch(Runner):
             self._live.append(r)
         step = StepBatch.build([r.beams[0].seq for r in joining], [torch.tensor(r.prompt) for r in joining],
                                [None] * len(joining), [None] * len(joining), [0] * len(joining), self.model.attn_dtype)
-        h = self.model.step(step, self.kv)
+        h = forward_step(self.model, self.kv, step)
         last = [o - 1 for o in step.offsets[1:]]
         logits = self.model.logits(h[last])
         for b, r in enumerate(joining):
@@ -143,7 +143,7 @@ class BeamSearch(Runner):
         step = StepBatch.build([b.seq for _, b in beams], [torch.tensor(b.tokens[-1:]) for _, b in beams],
                                [None] * len(beams), [None] * len(beams), [self.kv.used(b.seq) for _, b in beams],
                                self.model.attn_dtype)
-        h = self.model.step(step, self.kv)
+        h = forward_step(self.model, self.kv, step)
         logits = self.model.logits(h)
         row = {id(b): k for k, (_, b) in enumerate(beams)}
         for _, b in beams:

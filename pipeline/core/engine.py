@@ -20,7 +20,7 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.core.masks import StepConstraints
-from pipeline.core.runner import Request, Runner
+from pipeline.core.runner import Request, Runner, forward_step
 from pipeline.core.target import TargetStage
 from pipeline.core.tree import Tree
 from pipeline.core.types import DecodeState, Generation, StepBatch
@@ -34,7 +34,7 @@ def forward_rows(model, kv, seq: int, tokens: torch.Tensor, depths: torch.Tensor
     """One sequence's forward: tokens (n,) after the slots it holds (a prompt block when depths and
     mask are None, else a tree). Returns hidden (n, dim); the rows become tentative slots."""
     step = StepBatch.build([seq], [tokens], [depths], [mask], [kv.used(seq)], model.attn_dtype)
-    return model.step(step, kv, layers)
+    return forward_step(model, kv, step, layers)
 
 
 @dataclass
@@ -93,11 +93,11 @@ class Engine(Runner):
 
     def describe(self) -> dict:
         out = super().describe()
-        tree = getattr(self.drafter, "tree_spec", None)
-        if tree is not None:
-            out["tree"] = tree
+        tree = {} if self.drafter is None else self.drafter.describe()
+        if tree.get("tree") is not None:
+            out["tree"] = tree["tree"]
         if self.guard is not None and self.proposer is not None:
-            out["guard"] = dict(self.guard.stats)
+            out["guard"] = self.guard.describe()
         return out
 
     # --- requests join and leave ----------------------------------------------------------------
@@ -184,7 +184,7 @@ class Engine(Runner):
             self.masks.note(s)
 
     def _forward(self, step: StepBatch) -> torch.Tensor:
-        return self.model.step(step, self.kv)
+        return forward_step(self.model, self.kv, step)
 
     def _budget(self, s: _Live) -> int:
         """Tokens this sequence may still commit: up to its max_new_tokens and the context end."""
@@ -196,7 +196,7 @@ class Engine(Runner):
         budget and its language, and the nodes' packed allowed sets where a walk computed them."""
         speculate = self.proposer is not None and (self.guard is None or self.guard.speculate())
         drafted = [s for s in live if speculate and self._budget(s) > 1]
-        proposals = dict(zip((s.seq for s in drafted), self.proposer.propose_all(
+        proposals = dict(zip((s.seq for s in drafted), self.proposer.propose(
             [DecodeState(s.seq, s.tokens, s.hidden, self.model, self.kv, self._budget(s), s.generator)
              for s in drafted]) if drafted else []))
         for s in drafted:

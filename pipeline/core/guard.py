@@ -29,6 +29,10 @@ class SpeculationGuard:
         self.backoff, self.tree_run = self.base_backoff, 0
         self.stats = {"tree_steps": 0, "plain_steps": 0, "held_steps": 0, "pauses": 0}
 
+    def describe(self) -> dict:
+        """Its counts in this run (results.json summary "guard"): tree, plain and held steps, pauses."""
+        return dict(self.stats)
+
     def speculate(self) -> bool:
         """Whether this step may draft."""
         if self.left > 0:

@@ -1,7 +1,8 @@
 """The interface of every role. Components implement these; the core calls only these.
 
-    proposer.propose(state) -> Tree | None          drafts (None = a plain step)
-    model.step(batch, kv) -> hidden (R, dim)          one target forward over every live sequence
+    proposer.propose(states) -> [Tree | None]        drafts per sequence (None = a plain step)
+    kv.begin_step(batch) -> plan; model.step(batch with plan, kv) -> hidden (R, dim); kv.end_step(plan)
+                                                      one target forward over every live sequence
     target(logits, ...) -> Target                     the processed target distribution, per row
     verifier.verify(tree, p, generator) -> Accepted  which drafts to keep, and the bonus token
     kv.commit(seq, path); proposer.observe(seq, tokens, hidden)
@@ -16,7 +17,7 @@ import torch
 
 from pipeline.core.target import Target
 from pipeline.core.tree import Tree
-from pipeline.core.types import Accepted, DecodeState, StepBatch
+from pipeline.core.types import Accepted, DecodeState, KVPlan, StepBatch
 
 
 class Proposer(ABC):
@@ -37,14 +38,16 @@ class Proposer(ABC):
         """A new sequence begins; `observe` follows with the prompt's hidden states."""
 
     @abstractmethod
-    def propose(self, state: DecodeState) -> Tree | None:
-        """The tree to verify after `state.tokens[-1]` (the root), or None for a plain step. The
-        engine prunes a tree to `state.budget` nodes and depth budget - 1; a proposer should not draft
-        past them. Draft forwards of its own must discard their tentative slots."""
+    def propose(self, states: list[DecodeState]) -> list[Tree | None]:
+        """For every drafting sequence of a step, in order: the tree to verify after
+        `state.tokens[-1]` (the root), or None for a plain step. The engine prunes a tree to
+        `state.budget` nodes and depth budget - 1; a proposer should not draft past them. Draft
+        forwards of its own must discard their tentative slots."""
 
-    def propose_all(self, states: list[DecodeState]) -> list[Tree | None]:
-        """Trees for every live sequence of a step; override to draft them together."""
-        return [self.propose(s) for s in states]
+    def describe(self) -> dict:
+        """What the run reports of it (results.json summary): "tree", the tree shape it drafts, and
+        "policy", its sizing decision (components/proposer/policy.py), each where it has one."""
+        return {}
 
     def observe(self, seq: int, tokens: list[int], hidden: torch.Tensor) -> None:
         """Committed tokens and the target's hidden states that chose them: hidden[j] (n, dim) is
@@ -149,8 +152,10 @@ class KVManager(ABC):
     """A pool of per-sequence key/value caches, addressed by sequence id.
 
     A sequence holds `length(seq)` committed slots followed by `pending(seq)` tentative ones. A step
-    writes each sequence's new rows after the slots it holds (`update`, per layer, between
-    `begin_step` and `end_step`); the rows then become tentative, and the engine decides:
+    writes each sequence's new rows after the slots it holds: `begin_step` makes room and returns
+    the step's plan (`KVPlan`, plain data), every layer's `update` writes through it, and
+    `end_step(plan)` makes the rows tentative; the manager holds no state of a step in between
+    (`pipeline.core.forward_step` runs the three). Then the engine decides:
     `commit(seq)` keeps them all (plain decoding), `commit(seq, keep)` gathers the chosen ones, in
     order, right after the committed prefix and releases the rest (tree verification),
     `discard(seq)` releases them (a draft pass), `truncate(seq, n)` rolls the committed prefix back.
@@ -188,16 +193,18 @@ class KVManager(ABC):
         return list(seqs)
 
     @abstractmethod
-    def begin_step(self, step: StepBatch) -> None:
-        """Make room for every sequence's new rows (grow, allocate, copy-on-write)."""
+    def begin_step(self, step: StepBatch) -> KVPlan:
+        """Make room for every sequence's new rows (grow, allocate, copy-on-write) and say where
+        they go and what each sequence reads."""
 
     @abstractmethod
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: (R, nkv, hs) of the step's packed rows. Writes them and returns what each sequence
-        attends to, padded: (B, nkv, S, hs) each, slots past a sequence's own masked by the step."""
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: KVPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: (R, nkv, hs) of the step's packed rows. Writes them where `plan` says and returns
+        what each sequence attends to, padded: (B, nkv, S, hs) each, slots past a sequence's own
+        masked by the step."""
 
     @abstractmethod
-    def end_step(self, step: StepBatch) -> None:
+    def end_step(self, plan: KVPlan) -> None:
         """The step's rows become tentative slots."""
 
     @abstractmethod

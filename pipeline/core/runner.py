@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from pipeline.errors import UserError, positive_int
-from pipeline.core.types import Generation
+from pipeline.core.types import Generation, StepBatch
 
 
 @dataclass
@@ -38,6 +38,16 @@ def check_prompt(index: int, prompt: list[int], limit: int) -> None:
     if len(prompt) >= limit:
         raise UserError(f"request {index}: prompt is {len(prompt)} tokens, the model's context is {limit}: "
                         "shorten it or raise model.max_seq_len")
+
+
+def forward_step(model, kv, batch: StepBatch, *args) -> torch.Tensor:
+    """One forward over a step's rows through the KV manager `kv`: the step begins (its plan goes
+    with the batch), `model.step(batch, kv, *args)` runs (a backbone's args: the layers to run), and
+    the rows become tentative slots. Returns the model's output, (R, dim)."""
+    plan = kv.begin_step(batch)
+    out = model.step(replace(batch, plan=plan), kv, *args)
+    kv.end_step(plan)
+    return out
 
 
 class Runner(ABC):

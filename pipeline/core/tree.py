@@ -24,7 +24,6 @@ class Tree:
     # the proposer's distribution over node i's children (N, V); None for deterministic drafts
     # (argmax / top-k ranks / n-gram lookups: q is one-hot on the drafted token)
     q: torch.Tensor | None = None
-    state: list | None = None  # per-node proposer state (e.g. a constraint matcher after the node)
 
     @classmethod
     def root(cls, token: int) -> "Tree":
@@ -57,14 +56,6 @@ class Tree:
                     parents.append(index[key[:-1]])
         return cls.from_parents(tokens, parents)
 
-    def attention_mask(self, prefix_len: int) -> torch.Tensor:
-        """(1, 1, N, P + N) bool: every node sees the whole committed prefix and its ancestor chain."""
-        n = self.size
-        return torch.cat((torch.ones(n, prefix_len, dtype=torch.bool), self.mask), dim=1)[None, None]
-
-    def positions(self, prefix_len: int) -> torch.Tensor:
-        return (self.depth + prefix_len)[None]  # (1, N)
-
     def prune(self, max_depth: int, max_size: int) -> "Tree":
         """The first nodes (packed order, so every parent is kept before its children) with depth <=
         max_depth, at most max_size of them including the root."""
@@ -72,15 +63,13 @@ class Tree:
 
     def keep(self, keep: torch.Tensor) -> "Tree":
         """The nodes at packed indices `keep` (ascending, the root first, every kept node's parent
-        kept): a sub-tree with its q and per-node state."""
+        kept): a sub-tree with its q."""
         if keep.numel() == self.size:
             return self
-        q = None if self.q is None else self.q[keep]
-        state = None if self.state is None else [self.state[i] for i in keep.tolist()]
         new = {old: i for i, old in enumerate(keep.tolist())}
         parents = [-1] + [new[p] for p in self.parents[keep[1:]].tolist()]
         tree = Tree.from_parents(self.tokens[keep].tolist(), parents)
-        tree.q, tree.state = q, state
+        tree.q = None if self.q is None else self.q[keep]
         return tree
 
     def children(self) -> list[list[int]]:

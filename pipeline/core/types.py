@@ -65,14 +65,33 @@ class Generation:
         return len(self.accepted_lengths)
 
 
+@dataclass(frozen=True)
+class KVPlan:
+    """One step in a KV manager, as data: where each new row's key and value go and what each
+    sequence reads back. `KVManager.begin_step` makes room and returns it; the step's batch carries
+    it to every layer's `update`, and `end_step` turns its rows into tentative slots. The manager
+    keeps nothing of the step between those calls; the index tensors are on the manager's device.
+
+    `write` and `read` index the manager's own storage (components/kv): contiguous, (slab, position)
+    per row, a slice of consecutive slabs or the (B,) slabs to gather; paged, (block, offset) per row,
+    a slice of consecutive blocks or the (B, nb) block table."""
+    seqs: list[int]  # (B,) the step's sequences, in its order
+    counts: list[int]  # (B,) new rows per sequence
+    span: int  # S: slots every sequence's attention reads (its own, padded to the longest)
+    write: tuple  # (R,) index tensors, row by row; a lone sequence: (its slab, slice of positions)
+    read: slice | torch.Tensor  # a slice: a view of the storage, no copy; a tensor: ids gathered
+
+
 @dataclass
 class StepBatch:
     """One target forward over the new rows of several sequences, packed row after row.
 
     Sequence b owns rows [offsets[b], offsets[b + 1]) (a prompt block, a plain step's root, or a
     tree). Its rows are written after the `starts[b]` slots it already holds (committed + tentative)
-    and attend to those slots plus, among themselves, what `masks[b]` allows. Attention runs on a
-    padded (B, T) layout: row r sits at flat index `row_index[r]` of (B * T)."""
+    and attend to those of the slots that `visible[b]` shows (all by default) plus, among themselves,
+    what `masks[b]` allows. Attention runs on a padded (B, T) layout: row r sits at flat index
+    `row_index[r]` of (B * T). `plan` is the KV manager's plan for the step (`KVManager.begin_step`),
+    set by whoever runs the forward (`pipeline.core.forward_step`)."""
     seqs: list[int]  # (B,) sequence ids
     tokens: torch.Tensor  # (R,) long
     positions: torch.Tensor  # (R,) long: position ids (start + depth in the tree / offset in the block)
@@ -83,10 +102,7 @@ class StepBatch:
     causal: bool  # one sequence, empty cache, a causal block: the fused causal kernel applies
     width: int  # T: the most rows any sequence has
     span: int  # S: the most slots any sequence attends to (start + its rows)
-
-    @property
-    def rows(self) -> int:
-        return self.tokens.shape[0]
+    plan: KVPlan | None = None  # where the rows go in the KV manager; None until the step begins
 
     def to(self, device: torch.device) -> "StepBatch":
         """The batch with its tensors on `device` (itself when they are there already)."""
@@ -102,10 +118,14 @@ class StepBatch:
 
     @classmethod
     def build(cls, seqs: list[int], tokens: list[torch.Tensor], depths: list[torch.Tensor | None],
-              masks: list[torch.Tensor | None], starts: list[int], dtype: torch.dtype = torch.float32) -> "StepBatch":
+              masks: list[torch.Tensor | None], starts: list[int], dtype: torch.dtype = torch.float32,
+              visible: list[torch.Tensor | None] | None = None) -> "StepBatch":
         """tokens[b]: (n_b,) the new rows of sequence b; depths[b]: (n_b,) their depth below the
         first row (None = 0, 1, 2, ...: a causal block); masks[b]: (n_b, n_b) bool ancestry among
-        them (None = causal)."""
+        them (None = causal); visible[b]: (n_b, starts[b]) bool, which of the slots the sequence
+        already holds each row may read (None = all of them: the usual case; a draft growing a tree
+        over several forwards shows each row only its own ancestors' tentative slots)."""
+        visible = [None] * len(seqs) if visible is None else visible
         counts = [t.shape[0] for t in tokens]
         B, T = len(seqs), max(counts)
         S = max(s + n for s, n in zip(starts, counts))
@@ -113,13 +133,13 @@ class StepBatch:
         for n in counts:
             offsets.append(offsets[-1] + n)
         pos = [s + (torch.arange(n) if d is None else d) for s, n, d in zip(starts, counts, depths)]
-        plain = B == 1 and masks[0] is None
+        plain = B == 1 and masks[0] is None and visible[0] is None
         causal = plain and starts[0] == 0 and T > 1
         bias = None
         if not (plain and (T == 1 or causal)):
             allowed = torch.zeros(B, 1, T, S, dtype=torch.bool)
-            for b, (s, n, m) in enumerate(zip(starts, counts, masks)):
-                allowed[b, 0, :n, :s] = True  # the sequence's own cached slots
+            for b, (s, n, m, vis) in enumerate(zip(starts, counts, masks, visible)):
+                allowed[b, 0, :n, :s] = True if vis is None else vis  # the sequence's own cached slots
                 allowed[b, 0, :n, s:s + n] = torch.ones(n, n, dtype=torch.bool).tril_() if m is None else m
                 allowed[b, 0, n:, 0] = True  # padding rows: any finite row, their output is dropped
             bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
