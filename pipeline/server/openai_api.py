@@ -231,8 +231,8 @@ def _choice(spec: Spec, text: str, finish: str | None, token_ids: list[int] | No
     else:
         out = {"index": 0, "text": text}
     out.update(logprobs=None, finish_reason=finish)
-    if spec.return_token_ids and token_ids is not None:
-        out["token_ids"] = token_ids
+    if spec.return_token_ids:
+        out["token_ids"] = token_ids or []
     return out
 
 
