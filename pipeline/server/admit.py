@@ -1,0 +1,89 @@
+"""What a request becomes in the engine. `Admitter.to_engine` is the one mapping from a checked
+`Spec` to the runner's `Request`, done the way `python -m pipeline` does a request line: the same
+chat template and encode path, the same constraint path (`constraint_node` -> a compiled grammar,
+`add_to_prompt` included), the request's `seed` or else the config's. Sampling knobs the engine
+cannot yet take per request are refused here, naming the field."""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.build import check_constraint, component, constraint_node
+from pipeline.core import Request, UserError
+from pipeline.decode import with_constraint_text
+from pipeline.requests import encode
+from pipeline.server.openai_api import APIError, Spec, bad, unsupported
+
+# a request's constraint field (as a CLI request line names it) -> the request field it came from
+PARAMS = {"json_schema": "response_format", "regex": "regex", "grammar": "grammar"}
+GRAMMAR_CACHE = 64  # compiled grammars kept (the most recently used)
+
+
+class Admitter:
+    """Checks and encodes requests for one runner: its backbone's tokenizer and context, the
+    config's chat settings, constraint and sampler."""
+
+    def __init__(self, cfg: DictConfig, backbone):
+        self.cfg, self.backbone = cfg, backbone
+        self.limit = backbone.model.args.max_seq_len
+        s = cfg.sampler
+        self.samples = bool(s.do_sample)
+        self.sampling = {"temperature": float(s.temperature), "top_p": float(s.top_p), "top_k": int(s.top_k)}
+        self._grammars: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def constraint(self, spec: Spec) -> DictConfig | None:
+        """The request's constraint node: its own, else the configured one."""
+        own = spec.request.constraint
+        if own and not self.cfg.get("request_constraints", True):
+            raise bad(PARAMS[next(iter(own))], "this server ignores request constraints (request_constraints=false)")
+        return constraint_node(self.cfg, own)
+
+    def grammar(self, spec: Spec, node: DictConfig | None):
+        """The compiled grammar of a constraint node, checked and compiled once per distinct node
+        (blocking: call it off the event loop). An invalid one is a 400 naming the field."""
+        if node is None:
+            return None
+        key = OmegaConf.to_yaml(node)
+        with self._lock:
+            if key not in self._grammars:
+                try:
+                    check_constraint(node)
+                    self._grammars[key] = component(node, self.backbone)
+                except (UserError, ValueError) as e:
+                    own = spec.request.constraint
+                    raise bad(PARAMS[next(iter(own))] if own else "constraint", str(e)) from None
+                while len(self._grammars) > GRAMMAR_CACHE:
+                    self._grammars.popitem(last=False)
+            self._grammars.move_to_end(key)
+            return self._grammars[key]
+
+    def to_engine(self, spec: Spec, grammar) -> tuple[Request, int]:
+        """The runner's Request for a checked spec and its grammar, and its prompt's length."""
+        self.check_sampling(spec)
+        field = "messages" if spec.kind == "chat" else "prompt"
+        try:
+            ids = encode(self.backbone.tokenizer, with_constraint_text(spec.request, grammar), spec.chat,
+                         self.cfg.get("system_prompt"))
+        except UserError as e:
+            raise bad(field, str(e)) from None
+        if len(ids) >= self.limit:
+            raise APIError(400, f"{field}: the prompt is {len(ids)} tokens, the model's context is {self.limit}: "
+                           "shorten it", field, "context_length_exceeded")
+        seed = int(self.cfg.seed) if spec.seed is None else spec.seed
+        return Request(ids, seed, grammar, spec.max_tokens), len(ids)
+
+    def check_sampling(self, spec: Spec) -> None:
+        """Sampling knobs equal to the preset's are honoured; others are refused (the engine takes
+        one sampler). On a greedy preset top_p and top_k never change the argmax: any is honoured."""
+        asked = {k: getattr(spec, k) for k in self.sampling if getattr(spec, k) is not None}
+        if not self.samples:
+            if asked.get("temperature", 0.0) != 0.0:
+                raise unsupported("temperature", f"sampling (temperature {asked['temperature']}) on this greedy "
+                                  f"server (decode={self.cfg.get('name')})")
+            return
+        for k, v in asked.items():
+            if v != self.sampling[k]:
+                raise unsupported(k, f"{k} {v} (the server samples with {k} {self.sampling[k]})")

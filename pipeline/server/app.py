@@ -1,0 +1,358 @@
+"""The HTTP side: FastAPI routes on uvicorn, each request checked (openai_api, admit) before it
+reaches the engine thread (loop), its tokens detokenised as they come (pipeline.streaming), cut at
+its stop strings, and answered whole or as server-sent events; Prometheus metrics; a uvicorn
+server whose SIGTERM drains (stops admitting, finishes what is in flight, exits 0)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from omegaconf import DictConfig
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException
+
+from pipeline.build import build_engine, check_constraint, component_choice, constraint_node
+from pipeline.core import UserError
+from pipeline.decode import depth_acceptance
+from pipeline.server.admit import Admitter
+from pipeline.server.loop import EngineLoop, Job, Refused
+from pipeline.server.openai_api import (FINISH, APIError, Spec, chunk, completion, read_body, read_spec, response_id,
+                                        sse, usage)
+from pipeline.streaming import TextStream
+
+KV_STATS = ("sequences", "tokens", "bytes_in_use", "blocks_in_use")  # of kv.stats(), where the manager has them
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own. The engine thread sets the gauges
+    between steps (`publish`); counters and histograms are thread-safe."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("pipeline_requests", "Requests answered, by endpoint and outcome (a finish reason, "
+                                "error, rejected, refused or disconnected)", ["endpoint", "outcome"], registry=r)
+        self.prompt_tokens = Counter("pipeline_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("pipeline_generation_tokens", "Tokens committed", registry=r)
+        self.step_seconds = Histogram("pipeline_step_seconds", "Engine step time (admission prefill included)",
+                                      buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5), registry=r)
+        self.accepted_length = Histogram("pipeline_accepted_length", "Tokens one request committed in one step",
+                                         buckets=(1, 2, 3, 4, 5, 6, 8, 12, 16), registry=r)
+        self.failed_steps = Counter("pipeline_failed_steps", "Engine steps that raised (their requests got a 500)",
+                                    registry=r)
+        self.running = Gauge("pipeline_requests_running", "Requests in the engine's batch", registry=r)
+        self.waiting = Gauge("pipeline_requests_waiting", "Requests admitted, waiting for a batch slot", registry=r)
+        self.kv = {k: Gauge(f"pipeline_kv_{k}", f"KV manager: {k.replace('_', ' ')} (kv.stats())", registry=r)
+                   for k in KV_STATS}
+        self.guard = Gauge("pipeline_guard_steps", "Speculation guard: steps by kind (tree, plain, held)", ["kind"],
+                           registry=r)
+        self.guard_pauses = Gauge("pipeline_guard_pauses", "Speculation guard: times it paused drafting", registry=r)
+        self.guard_paused = Gauge("pipeline_guard_paused", "Speculation guard: 1 while drafting is paused", registry=r)
+
+    def publish(self, runner, waiting: int) -> None:
+        self.running.set(runner.live)
+        self.waiting.set(waiting)
+        info = runner.describe()
+        for k, gauge in self.kv.items():
+            if k in info["kv"]:
+                gauge.set(info["kv"][k])
+        guard = info.get("guard")
+        if guard:
+            for kind in ("tree", "plain", "held"):
+                self.guard.labels(kind).set(guard[f"{kind}_steps"])
+            self.guard_pauses.set(guard["pauses"])
+            self.guard_paused.set(int(runner.guard.left > 0))
+
+
+class StopText:
+    """Text as it streams, cut before the first stop string. Text that may still begin a stop string
+    is held back until the next piece tells."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.held = stops, ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Returns (the text that can go out, whether a stop string was met)."""
+        buf = self.held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buf[:min(hits)], True
+        keep = max((k for s in self.stops for k in range(1, min(len(s), len(buf) + 1)) if buf.endswith(s[:k])),
+                   default=0)
+        self.held = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+@dataclass
+class Piece:
+    """What one engine event adds to a response."""
+    text: str
+    token_ids: list[int]
+    finish: str | None = None  # OpenAI's finish reason, on the last piece
+    speculation: dict | None = None  # on the last piece
+
+
+def speculation(accepted_lengths: list[int], tree_depths: list[int] | None) -> dict:
+    """The response's speculation: steps, tokens per step, and (where the engine's record of the
+    request is whole) the fraction of tree steps reaching each depth."""
+    steps = len(accepted_lengths)
+    return {"steps": steps, "mean_accepted_length": sum(accepted_lengths) / steps if steps else 0.0,
+            "acceptance_by_depth": None if tree_depths is None else
+            depth_acceptance([{"accepted_lengths": accepted_lengths, "tree_depths": tree_depths}])}
+
+
+class Service:
+    """One runner served: what the routes share."""
+
+    def __init__(self, cfg: DictConfig, runner, backbone, model: str, max_queue: int):
+        self.cfg, self.model, self.tokenizer = cfg, model, backbone.tokenizer
+        self.metrics = Metrics()
+        self.engine = EngineLoop(runner, max_queue, self.metrics)
+        self.admitter = Admitter(cfg, backbone)
+        self.created = int(time.time())
+
+    def error(self, e: APIError, endpoint: str, outcome: str = "rejected") -> JSONResponse:
+        self.metrics.requests.labels(endpoint, outcome).inc()
+        return JSONResponse(e.body(), e.status, headers=e.headers)
+
+    async def answer(self, request: Request, kind: str) -> Response:
+        endpoint = request.url.path
+        try:
+            spec = read_spec(read_body(await request.body()), kind, self.model)
+            node = self.admitter.constraint(spec)
+            grammar = None if node is None else await asyncio.to_thread(self.admitter.grammar, spec, node)
+            req, prompt_tokens = self.admitter.to_engine(spec, grammar)
+            job = Job(req, asyncio.get_running_loop())
+            self.engine.submit(job)
+        except APIError as e:
+            return self.error(e, endpoint)
+        except Refused as e:
+            return self.error(APIError(e.status, str(e), None, "queue_full" if e.status == 429 else "draining",
+                                       retry_after=1), endpoint, "refused")
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        out = Output(self, job, spec, prompt_tokens, endpoint)
+        if spec.stream:
+            return JobStream(out.events(), out.close, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await out.whole(request.receive)
+
+
+class Output:
+    """One admitted request's answer, from its job's events."""
+
+    def __init__(self, service: Service, job: Job, spec: Spec, prompt_tokens: int, endpoint: str):
+        self.service, self.job, self.spec = service, job, spec
+        self.prompt_tokens, self.endpoint = prompt_tokens, endpoint
+        self.rid = response_id(spec.kind)
+        self.ended = False  # its last piece was made (or it failed)
+
+    def _outcome(self, outcome: str) -> None:
+        self.ended = True
+        self.service.metrics.requests.labels(self.endpoint, outcome).inc()
+
+    async def pieces(self):
+        """Text and token ids as the engine commits them, cut at a stop string (the request then
+        leaves the engine), ending with a piece that carries the finish reason."""
+        stream, stops, accepted = TextStream(self.service.tokenizer), StopText(self.spec.stop), []
+        while True:
+            kind, payload = await self.job.events.get()
+            if kind == "tokens":
+                accepted.append(len(payload))
+                text, ids = "", []
+                for t in payload:  # token by token, so a stop ends the output at the token that made it
+                    ids.append(t)
+                    piece, hit = stops.push(stream.push([t]))
+                    text += piece
+                    if hit:
+                        self.service.engine.abort(self.job)
+                        self._outcome("stop")
+                        yield Piece(text, ids, "stop", speculation(accepted, None))
+                        return
+                yield Piece(text, ids)
+            elif kind == "done":
+                piece, hit = stops.push(stream.flush())
+                finish = "stop" if hit else FINISH[payload.finish_reason]
+                self._outcome(finish)
+                yield Piece(piece if hit else piece + stops.flush(), [], finish,
+                            speculation(payload.accepted_lengths, payload.tree_depths))
+                return
+            elif kind == "aborted":  # a forced shutdown
+                self._outcome("abort")
+                yield Piece(stops.flush(), [], "abort", speculation(accepted, None))
+                return
+            else:
+                self._outcome("error")
+                raise APIError(500, payload, None, "engine_error")
+
+    async def events(self):
+        """The server-sent events of a streamed answer, ending with `data: [DONE]`."""
+        spec, svc, n = self.spec, self.service, 0
+        if spec.kind == "chat":
+            yield chunk(spec, self.rid, svc.model, first=True)
+        try:
+            async for p in self.pieces():
+                n += len(p.token_ids)
+                if p.text or (spec.return_token_ids and p.token_ids):
+                    yield chunk(spec, self.rid, svc.model, p.text, token_ids=p.token_ids)
+                if p.finish:
+                    yield chunk(spec, self.rid, svc.model, finish=p.finish, token_ids=[], speculation=p.speculation)
+        except APIError as e:  # the headers are sent: the error goes as an event, as OpenAI streams it
+            yield sse(e.body())
+        else:
+            if spec.include_usage:
+                yield chunk(spec, self.rid, svc.model, usage_=usage(self.prompt_tokens, n), empty=True)
+        yield sse("[DONE]")
+
+    async def whole(self, receive) -> Response:
+        """The answer in one response; a client that goes away first aborts the request."""
+        async def collect():
+            text, ids, last = "", [], None
+            async for p in self.pieces():
+                text, ids, last = text + p.text, ids + p.token_ids, p
+            return text, ids, last
+
+        work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected(receive))
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            self.close()
+            return Response(status_code=499)  # nobody reads it
+        try:
+            text, ids, last = work.result()
+        except APIError as e:
+            return JSONResponse(e.body(), e.status)
+        return JSONResponse(completion(self.spec, self.rid, self.service.model, text, last.finish, ids,
+                                       self.prompt_tokens, last.speculation))
+
+    def close(self) -> None:
+        """The response is over, however it ended: a request still in the engine leaves it."""
+        if not self.ended:
+            self._outcome("disconnected")
+        self.service.engine.abort(self.job)
+
+
+async def disconnected(receive) -> None:
+    """Returns once the client has gone (the body is read, so the next message is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class JobStream(StreamingResponse):
+    """A streamed answer that calls `on_close` when it ends, also when the client went away while the
+    stream waited for the engine (noticed at once, not at the next write)."""
+
+    def __init__(self, content, on_close, **kw):
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        watch = asyncio.ensure_future(disconnected(receive))
+        watch.add_done_callback(lambda t: t.cancelled() or self.on_close())
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            watch.cancel()
+            self.on_close()
+
+
+def create_app(service: Service) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        service.engine.start()
+        yield
+        await asyncio.to_thread(service.engine.stop)
+
+    app = FastAPI(title="pipeline.serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # unknown routes and methods, as OpenAI errors
+        return JSONResponse(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").body(),
+                            e.status_code)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": service.model, "object": "model", "created": service.created,
+                                            "owned_by": "pipeline"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await service.answer(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await service.answer(request, "completion")
+
+    @app.get("/health")
+    async def health():
+        engine = service.engine
+        status = "draining" if engine.draining else "ok" if engine.alive else "engine stopped"
+        return JSONResponse({"status": status}, 200 if status == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class Server(uvicorn.Server):
+    """uvicorn, with a SIGTERM / Ctrl-C that drains: new requests get 503, what is in flight
+    finishes, then the server exits 0. A second signal aborts what is left (finish_reason "abort")."""
+
+    def __init__(self, config: uvicorn.Config, service: Service):
+        super().__init__(config)
+        self.service = service
+
+    def handle_exit(self, sig, frame) -> None:  # uvicorn's re-raises the signal at exit: not here
+        engine = self.service.engine
+        if engine.draining:
+            engine.abort_all()
+        else:
+            print(f"draining: {engine.inflight} requests in flight, new ones refused (again to abort them)",
+                  file=sys.stderr, flush=True)
+            engine.drain()
+
+    async def on_tick(self, counter: int) -> bool:
+        engine = self.service.engine
+        if engine.draining and engine.inflight == 0:
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            print(f"serving {self.service.model} ({self.service.cfg.get('name')}) on http://{host}:{port}",
+                  file=sys.stderr, flush=True)
+
+
+def build_server(cfg: DictConfig) -> Server:
+    """The server for a composed serve config: the runner built (build_engine checks the config),
+    the configured constraint checked, a short warm-up request, and the app on uvicorn."""
+    for key in ("input", "prompt"):
+        if cfg.get(key) is not None:
+            raise UserError(f"the server takes its prompts over HTTP: drop {key}=")
+    port = cfg.get("port")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise UserError(f"port must be an int in 0..65535 (0: any free port), got {port!r}")
+    check_constraint(constraint_node(cfg))
+    runner, backbone = build_engine(cfg, with_constraint=False)  # each request's constraint is passed
+    if cfg.get("warmup", True):  # first-call costs (allocation, MKL set-up) stay out of the first request
+        runner.run([backbone.tokenizer.encode("Hello", add_special_tokens=False)],
+                   max_new_tokens=min(4, runner.max_new_tokens))
+    model = cfg.get("served_model_name") or component_choice("model", cfg.model)
+    service = Service(cfg, runner, backbone, str(model), cfg.max_queue)
+    config = uvicorn.Config(create_app(service), host=str(cfg.host), port=port, log_level="warning",
+                            access_log=False, lifespan="on")
+    return Server(config, service)

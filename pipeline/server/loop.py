@@ -1,0 +1,200 @@
+"""The engine on its own thread. It loops `runner.step()` while there is work and, between steps,
+takes commands from a thread-safe inbox (add, abort, abort everything, stop); when idle it sleeps
+on the inbox. It never waits on the network: committed tokens, finished generations and failures
+are posted to each request's asyncio queue with `loop.call_soon_threadsafe`.
+
+A failure inside a step fails the requests of that step (the live ones and those joining), each
+told with an "error" event, their memory returned; requests still waiting stay queued and the
+thread goes on serving."""
+from __future__ import annotations
+
+import asyncio
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.core import Request, Runner, UserError
+
+
+class Refused(Exception):
+    """Not admitted: the queue is full (429) or the server is draining (503)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(eq=False)
+class Job:
+    """One request between the HTTP side and the engine thread. `events` receives, in order,
+    ("tokens", ids) per step, then one of ("done", Generation), ("aborted", None) or ("error", message)."""
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    handle: int | None = None  # the runner's, once added
+    started: bool = False  # joined a step (its first token came)
+    over: bool = False  # its last event is posted
+
+    def post(self, event: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+class EngineLoop:
+    """Runs `runner` on a thread; admission bounded at `max_queue` requests waiting for a slot."""
+
+    def __init__(self, runner: Runner, max_queue: int, metrics=None):
+        if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 0:
+            raise UserError(f"max_queue must be an int >= 0, got {max_queue!r}")
+        self.runner, self.max_queue, self.metrics = runner, max_queue, metrics
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.jobs: dict[int, Job] = {}  # handle -> job, for every job the runner holds (engine thread only)
+        self.pending: list[Job] = []  # added, not yet joined, in the runner's queue order (engine thread only)
+        self._lock = threading.Lock()
+        self.inflight = 0  # admitted and not over
+        self.waiting = 0  # admitted and not yet joined a step: the queue depth
+        self.draining = False
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        runner.on_tokens = self._on_tokens
+
+    # --- called from the HTTP side -----------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Admit a job or raise Refused."""
+        with self._lock:
+            if self.draining:
+                raise Refused(503, "the server is shutting down: retry on another instance")
+            if self.inflight >= self.runner.batch_size + self.max_queue:  # every slot taken, max_queue waiting
+                raise Refused(429, f"the queue is full ({self.max_queue} requests waiting): retry shortly")
+            self.inflight += 1
+            self.waiting += 1
+        self.inbox.put(("add", job))
+
+    def abort(self, job: Job) -> None:
+        """Drop a job (it ended on the HTTP side: a stop string, a client gone). Harmless once over."""
+        if not job.over:
+            self.inbox.put(("abort", job))
+
+    def abort_all(self) -> None:
+        self.inbox.put(("abort_all", None))
+
+    def drain(self) -> None:
+        """Stop admitting; what is in flight goes on."""
+        with self._lock:
+            self.draining = True
+
+    def stop(self) -> None:
+        """End the thread (what is still in flight is aborted first)."""
+        if self.thread.is_alive():
+            self.inbox.put(("stop", None))
+            self.thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    # --- the engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while not self._stop:
+                if not self.runner.has_work:
+                    self._command(*self.inbox.get())  # idle: sleep until something comes
+                while not self._stop:
+                    try:
+                        self._command(*self.inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                if self.runner.has_work and not self._stop:
+                    self._step()
+            self._abort_all()
+
+    def _command(self, what: str, job: Job | None) -> None:
+        if what == "add":
+            try:
+                job.handle = self.runner.add(job.request)
+            except UserError as e:  # the HTTP side checks first: this is a bug there, said as an error
+                self._end(job, ("error", str(e)))
+                return
+            self.jobs[job.handle] = job
+            self.pending.append(job)
+        elif what == "abort":
+            if job.handle is not None and self.runner.abort(job.handle):
+                self._drop(job, ("aborted", None))
+        elif what == "abort_all":
+            self._abort_all()
+        elif what == "stop":
+            self._stop = True
+        self._publish()
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            finished = self.runner.step()
+        except Exception as e:  # noqa: BLE001 - any failure fails this step's requests, never the server
+            self._fail(e)
+            return
+        if self.metrics is not None:
+            self.metrics.step_seconds.observe(time.perf_counter() - t0)
+        for handle, gen in finished:
+            self._drop(self.jobs[handle], ("done", gen))
+        self._publish()
+
+    def _fail(self, e: Exception) -> None:
+        """Fail every request of the failed step: all the runner holds but those still queued (the
+        runner admits in queue order, so they are the last `runner.queued` of `pending`)."""
+        print(f"engine: a step failed, failing its requests: {type(e).__name__}: {e}", file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+        queued = self.pending[len(self.pending) - self.runner.queued:] if self.runner.queued else []
+        for job in [j for j in self.jobs.values() if j not in queued]:
+            self.runner.abort(job.handle)
+            self._drop(job, ("error", f"the engine failed in a step ({type(e).__name__}: {e})"))
+        if self.metrics is not None:
+            self.metrics.failed_steps.inc()
+        self._publish()
+
+    def _abort_all(self) -> None:
+        for job in list(self.jobs.values()):
+            self.runner.abort(job.handle)
+            self._drop(job, ("aborted", None))
+
+    def _on_tokens(self, handle: int, ids: list[int], hidden) -> None:
+        job = self.jobs.get(handle)
+        if job is None:  # a warm-up request (runner.run) has no job
+            return
+        if not job.started:
+            job.started = True
+            self.pending.remove(job)
+            with self._lock:
+                self.waiting -= 1
+        if self.metrics is not None:
+            self.metrics.generation_tokens.inc(len(ids))
+            self.metrics.accepted_length.observe(len(ids))
+        job.post(("tokens", list(ids)))
+
+    def _drop(self, job: Job, event: tuple) -> None:
+        self.jobs.pop(job.handle, None)
+        if job in self.pending:
+            self.pending.remove(job)
+        self._end(job, event)
+
+    def _end(self, job: Job, event: tuple) -> None:
+        with self._lock:
+            self.inflight -= 1
+            self.waiting -= not job.started
+        job.over = True
+        job.post(event)
+
+    def _publish(self) -> None:
+        """The engine's state, as /metrics shows it (read here, between steps, never mid-step)."""
+        if self.metrics is not None:
+            self.metrics.publish(self.runner, self.waiting)

@@ -1,0 +1,263 @@
+"""The OpenAI wire format: a request body read into a `Spec` (every field checked, a bad one refused
+with a 400 that names it), OpenAI-style error objects, and the response and chunk objects of
+`/v1/chat/completions` and `/v1/completions`."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from pipeline.requests import ROLES, Request
+
+# the engine's finish reasons -> OpenAI's; "abort": ended by a forced shutdown (vLLM's name)
+FINISH = {"eos": "stop", "constraint_complete": "stop", "length": "length", "context": "length", "stop": "stop",
+          "abort": "abort"}
+MAX_STOPS = 4  # OpenAI's limit on stop strings
+# fields that change nothing in what is generated, accepted as OpenAI accepts them
+INERT = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+COMMON = {"model", "max_tokens", "seed", "stop", "stream", "stream_options", "temperature", "top_p", "top_k", "n",
+          "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "regex", "grammar", "return_token_ids"}
+FIELDS = {"chat": COMMON | INERT | {"messages", "max_completion_tokens", "top_logprobs", "response_format"},
+          "completion": COMMON | INERT | {"prompt", "echo", "best_of", "suffix", "response_format"}}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: `{"error": {"message", "type", "param", "code"}}`."""
+    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+             500: "server_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = {} if retry_after is None else {"Retry-After": str(retry_after)}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, f"{param}: {message}", param, code)
+
+
+@dataclass
+class Spec:
+    """One request as the server reads it, before it touches the engine."""
+    kind: str  # chat | completion
+    request: Request  # the prompt text or messages, and a constraint line (as a CLI request line carries)
+    chat: bool  # apply the chat template (the chat endpoint) or feed the text raw (completions)
+    max_tokens: int | None  # None: the preset's max_new_tokens
+    seed: int | None  # None: the config's seed
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False  # extension: each choice / chunk also carries its token ids
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+
+def read_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the body is not valid JSON ({e}): send one JSON object", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}", None, "invalid_json")
+    return body
+
+
+def _int(body: dict, key: str, low: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < low:
+        raise bad(key, f"must be an integer >= {low}, got {v!r}")
+    return v
+
+
+def _number(body: dict, key: str, low: float, high: float | None = None, open_low: bool = False) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v < low or (open_low and v == low) or \
+            (high is not None and v > high):
+        span = f"{'>' if open_low else '>='} {low}" + ("" if high is None else f" and <= {high}")
+        raise bad(key, f"must be a number {span}, got {v!r}")
+    return float(v)
+
+
+def _flag(body: dict, key: str) -> bool:
+    v = body.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad(key, f"must be true or false, got {v!r}")
+    return v
+
+
+def unsupported(param: str, what: str) -> APIError:
+    return APIError(400, f"{param}: {what} is not supported per request yet", param, "unsupported_parameter")
+
+
+def read_spec(body: dict, kind: str, model: str) -> Spec:
+    """Every field of a chat (`kind="chat"`) or completion request checked; raises APIError."""
+    unknown = sorted(set(body) - FIELDS[kind])
+    if unknown:
+        raise bad(unknown[0], "unknown field (docs/serve.md lists the fields this server takes)", "unknown_parameter")
+    if body.get("model") != model:
+        raise APIError(400, f"model: no model {body.get('model')!r} here; this server serves {model!r}", "model",
+                       "model_not_found")
+    if kind == "chat":
+        request, chat = Request("chat", *_messages(body.get("messages"))), True
+    else:
+        request, chat = Request("completion", _prompt(body.get("prompt"))), False
+    request.constraint = _constraint(body)
+    max_tokens = _int(body, "max_tokens", 1)
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        max_tokens = _int(body, "max_completion_tokens", 1)
+    if _int(body, "n", 1) not in (None, 1):
+        raise unsupported("n", "n > 1")
+    if kind == "completion" and _int(body, "best_of", 1) not in (None, 1):
+        raise unsupported("best_of", "best_of > 1")
+    if _flag(body, "logprobs") if kind == "chat" else _int(body, "logprobs", 0):  # completions: a count
+        raise unsupported("logprobs", "logprobs")
+    if body.get("top_logprobs") not in (None, 0):
+        raise unsupported("top_logprobs", "top_logprobs")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if _number(body, key, -2.0, 2.0) not in (None, 0.0):
+            raise unsupported(key, key.replace("_", " "))
+    if body.get("logit_bias"):
+        raise unsupported("logit_bias", "logit_bias")
+    if kind == "completion" and (_flag(body, "echo") or body.get("suffix") is not None):
+        raise unsupported("echo" if body.get("echo") else "suffix", "echo / suffix")
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise bad("stream_options", "is only allowed with stream: true")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise bad("stream_options", f'takes {{"include_usage": true|false}}, got {options!r}')
+    include_usage = _flag(options or {}, "include_usage")
+    top_k = _int(body, "top_k", -1)
+    return Spec(kind, request, chat, max_tokens, _int(body, "seed", 0), _stops(body.get("stop")), stream,
+                include_usage, _flag(body, "return_token_ids"), _number(body, "temperature", 0.0),
+                _number(body, "top_p", 0.0, 1.0, open_low=True), None if top_k in (None, -1) else top_k)
+
+
+def _text(content, where: str) -> str:
+    """A message's content: a string, or a list of text parts (OpenAI's content parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and
+                                         isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise bad(where, 'content must be a string or a list of {"type": "text", "text": "..."} parts')
+
+
+def _messages(msgs) -> tuple[str, list[dict]]:
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", 'must be a non-empty list of {"role": ..., "content": ...} objects')
+    out = []
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise bad(f"messages[{j}]", 'must be an object with "role" and "content"')
+        if m["role"] not in ROLES:
+            raise bad(f"messages[{j}].role", f"{m['role']!r} is not one of {', '.join(ROLES)}")
+        out.append({"role": m["role"], "content": _text(m["content"], f"messages[{j}].content")})
+    return out[-1]["content"], out
+
+
+def _prompt(prompt) -> str:
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise bad("prompt", "must be one string (batches of prompts and token-id prompts are not supported)")
+    if not prompt:
+        raise bad("prompt", "is empty: give the text to continue")
+    return prompt
+
+
+def _stops(stop) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+        raise bad("stop", f"must be a non-empty string or a list of at most {MAX_STOPS} of them, got {stop!r}")
+    return list(stops)
+
+
+def _constraint(body: dict) -> dict | None:
+    """The request's constraint as a CLI request line carries it: `json_schema`, `regex` or `grammar`."""
+    given = {}
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            given["json_schema"] = {"type": "object"}
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise bad("response_format", 'json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+            given["json_schema"] = spec["schema"]
+        elif kind != "text":
+            raise bad("response_format", f'type must be "text", "json_object" or "json_schema", got {fmt!r}')
+    for key in ("regex", "grammar"):
+        v = body.get(key)
+        if v is not None:
+            if not isinstance(v, str) or not v:
+                raise bad(key, f"must be a non-empty string, got {v!r}")
+            given[key] = v
+    if len(given) > 1:
+        raise bad("response_format", "give at most one of response_format (json), regex and grammar")
+    return given or None
+
+
+# --- responses --------------------------------------------------------------------------------------
+def response_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _choice(spec: Spec, text: str, finish: str | None, token_ids: list[int] | None, delta: bool,
+            first: bool = False) -> dict:
+    if spec.kind == "chat":
+        body = {"role": "assistant", "content": text} if not delta or first else ({"content": text} if text else {})
+        out = {"index": 0, "delta" if delta else "message": body}
+    else:
+        out = {"index": 0, "text": text}
+    out.update(logprobs=None, finish_reason=finish)
+    if spec.return_token_ids:
+        out["token_ids"] = token_ids or []
+    return out
+
+
+def completion(spec: Spec, rid: str, model: str, text: str, finish: str, token_ids: list[int],
+               prompt_tokens: int, speculation: dict) -> dict:
+    """The whole response of a request that is not streamed."""
+    return {"id": rid, "object": "chat.completion" if spec.kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": model,
+            "choices": [_choice(spec, text, finish, token_ids, delta=False)],
+            "usage": usage(prompt_tokens, len(token_ids)), "speculation": speculation}
+
+
+def chunk(spec: Spec, rid: str, model: str, text: str = "", finish: str | None = None,
+          token_ids: list[int] | None = None, first: bool = False, speculation: dict | None = None,
+          usage_: dict | None = None, empty: bool = False) -> str:
+    """One server-sent event of a streamed response. `empty`: the usage chunk (no choices)."""
+    out = {"id": rid, "object": "chat.completion.chunk" if spec.kind == "chat" else "text_completion",
+           "created": int(time.time()), "model": model,
+           "choices": [] if empty else [_choice(spec, text, finish, token_ids, delta=True, first=first)]}
+    if spec.include_usage:
+        out["usage"] = usage_  # null on every chunk but the last, as OpenAI sends it
+    if speculation is not None:
+        out["speculation"] = speculation
+    return sse(out)
+
+
+def sse(obj) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"

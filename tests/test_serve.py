@@ -1,0 +1,331 @@
+"""The OpenAI-compatible server (`python -m pipeline.serve`) on the tiny model, through the official
+`openai` client against a live uvicorn server on 127.0.0.1: greedy answers, streamed or whole, are
+the tokens `decode()` gives for the same prompts (presets greedy and tree_ngram); 32 concurrent
+streams each equal their batch-1 decode; a client that disconnects is aborted and the KV pool
+empties; bad requests get 4xx errors while a good one completes; the queue limit answers 429; a
+failing step answers 500 and the server goes on; stop strings; JSON-schema output validates;
+SIGTERM drains (a subprocess)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from conftest import PYTHON, REPO_ROOT, compose_config, subprocess_env
+from pipeline.decode import decode
+from pipeline.server.app import StopText, build_server
+
+PROMPTS = ["Tell me about the sea.", "Once upon a time, in a land far away,", "1, 2, 3, 4, 5, 1, 2, 3",
+           "Why is the sky blue?"]
+MAX_TOKENS = 24
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"],
+          "additionalProperties": False}
+
+
+@contextlib.contextmanager
+def live_server(*overrides: str):
+    """A server on a free port of 127.0.0.1, run on a thread of this process."""
+    cfg = compose_config(["model=tiny", "port=0", "speculation_guard=false", *overrides], config_name="serve")
+    server = build_server(cfg)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield server, f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def client(url: str, cls=openai.OpenAI):
+    return cls(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def reference(preset: str, prompts: list[str], tmp_path, chat: bool = True, max_new_tokens: int = MAX_TOKENS):
+    """decode()'s tokens for each prompt at batch 1 (what `python -m pipeline` gives)."""
+    path = tmp_path / f"{preset}-{chat}.jsonl"
+    path.write_text("".join(json.dumps({"id": f"r{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    cfg = compose_config(["model=tiny", f"decode={preset}", f"max_new_tokens={max_new_tokens}", f"input={path}",
+                          "stream=false", f"chat={str(chat).lower()}"], output_dir=tmp_path / f"run-{preset}-{chat}")
+    _, objects = decode(cfg)
+    return [it["token_ids"] for it in objects["results"]["items"]]
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{url}/metrics").text
+    m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_for(cond, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def stream_tokens(stream) -> tuple[list[int], str, str | None, dict]:
+    """(token ids, text, finish_reason, the final chunk's extension fields) of a streamed answer."""
+    ids, text, finish, extra = [], "", None, {}
+    for ch in stream:
+        if not ch.choices:
+            continue
+        c = ch.choices[0]
+        ids += (c.model_extra or {}).get("token_ids", [])
+        text += (c.delta.content or "") if hasattr(c, "delta") else c.text
+        if c.finish_reason:
+            finish, extra = c.finish_reason, ch.model_extra
+    return ids, text, finish, extra
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    with live_server("decode=greedy", "batch_size=8") as s:
+        yield s
+
+
+@pytest.mark.parametrize("preset", ["greedy", "tree_ngram"])
+def test_greedy_answers_equal_decode(preset, tmp_path, greedy):
+    ctx = live_server(f"decode={preset}", "batch_size=4") if preset != "greedy" else contextlib.nullcontext(greedy)
+    with ctx as (server, url):
+        c, ids = client(url), {"return_token_ids": True}
+        ref_chat, ref_raw = reference(preset, PROMPTS, tmp_path), reference(preset, PROMPTS, tmp_path, chat=False)
+        tok = server.service.tokenizer
+        depth = []
+        for p, want_chat, want_raw in zip(PROMPTS, ref_chat, ref_raw):
+            msgs = [{"role": "user", "content": p}]
+            r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=MAX_TOKENS, extra_body=ids)
+            assert r.choices[0].token_ids == want_chat
+            assert r.choices[0].message.content == tok.decode(want_chat, skip_special_tokens=True)
+            assert r.usage.completion_tokens == len(want_chat)
+            assert r.choices[0].finish_reason == "length"
+            got, text, finish, extra = stream_tokens(c.chat.completions.create(
+                model="tiny", messages=msgs, max_tokens=MAX_TOKENS, stream=True, extra_body=ids))
+            assert (got, text, finish) == (want_chat, r.choices[0].message.content, "length")
+            r = c.completions.create(model="tiny", prompt=p, max_tokens=MAX_TOKENS, extra_body=ids)
+            assert r.choices[0].token_ids == want_raw
+            got, text, _, _ = stream_tokens(c.completions.create(model="tiny", prompt=p, max_tokens=MAX_TOKENS,
+                                                                 stream=True, extra_body=ids))
+            assert (got, text) == (want_raw, r.choices[0].text)
+            spec = r.model_extra["speculation"]
+            assert spec["steps"] * spec["mean_accepted_length"] == pytest.approx(len(want_raw))
+            depth.append(spec["mean_accepted_length"])
+        if preset == "tree_ngram":  # the tiny model repeats itself: drafts of a repetition are accepted
+            assert max(depth) > 1.5
+
+
+def test_models_health_and_usage_chunk(greedy):
+    _, url = greedy
+    c = client(url)
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    chunks = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_32_concurrent_streams_each_equal_batch_1(greedy, tmp_path):
+    """32 streams at once, each with its own max_tokens, on a batch of 8 (the rest queue): every one
+    completes with exactly its batch-1 tokens, in order."""
+    server, url = greedy
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} ({i})" for i in range(32)]
+    budgets = [4 + (7 * i) % 29 for i in range(32)]
+    ref = reference("greedy", prompts, tmp_path, max_new_tokens=max(budgets))
+
+    async def one(c, p, n):
+        ids, text = [], ""
+        stream = await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
+                                                 max_tokens=n, stream=True, extra_body={"return_token_ids": True})
+        async for ch in stream:
+            ids += ch.choices[0].token_ids
+            text += ch.choices[0].delta.content or ""
+        return ids, text
+
+    async def all_of():
+        async with client(url, openai.AsyncOpenAI) as c:
+            return await asyncio.gather(*(one(c, p, n) for p, n in zip(prompts, budgets)))
+
+    tok = server.service.tokenizer
+    for (ids, text), want, n in zip(asyncio.run(all_of()), ref, budgets):
+        assert ids == want[:n]
+        assert text == tok.decode(ids, skip_special_tokens=True)
+    assert wait_for(lambda: metric(url, "pipeline_kv_sequences") == 0)
+
+
+def test_a_client_that_disconnects_is_aborted(greedy):
+    _, url = greedy
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 1800, "stream": True}
+    before = metric(url, "pipeline_requests_total", '{endpoint="/v1/chat/completions",outcome="disconnected"}')
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as r:
+        lines = 0
+        for line in r.iter_lines():
+            lines += line.startswith("data:")
+            if lines == 4:
+                break
+    assert wait_for(lambda: metric(url, "pipeline_requests_total",
+                                   '{endpoint="/v1/chat/completions",outcome="disconnected"}') == before + 1)
+    assert wait_for(lambda: metric(url, "pipeline_kv_sequences") == 0 and metric(url, "pipeline_requests_running") == 0)
+    assert metric(url, "pipeline_kv_bytes_in_use") == 0
+
+
+BAD = [  # (body or raw bytes, the field the error names)
+    (b'{"model": "tiny", "messages": [', None),
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, "model"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, "max_tokens"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 0.7}, "temperature"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "frobnicate"}}}},
+     "response_format"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "regex": "a(b"}, "regex"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 2100}]}, "messages"),
+    ({"model": "tiny", "prompt": "x", "frobnicate": 1}, "frobnicate"),
+]
+
+
+def test_bad_requests_get_4xx_while_a_good_one_completes(greedy, tmp_path):
+    _, url = greedy
+    want = reference("greedy", [PROMPTS[0]], tmp_path, max_new_tokens=200)[0]
+    out = {}
+
+    def good():
+        out["answer"] = stream_tokens(client(url).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=200, stream=True,
+            extra_body={"return_token_ids": True}))
+
+    t = threading.Thread(target=good)
+    t.start()
+    for body, param in BAD:
+        path = "/v1/completions" if isinstance(body, dict) and "prompt" in body else "/v1/chat/completions"
+        r = httpx.post(f"{url}{path}", **({"content": body} if isinstance(body, bytes) else {"json": body}))
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error"
+    t.join(60)
+    assert out["answer"][0] == want and out["answer"][2] == "length"
+
+
+def test_stop_strings_cut_the_text_and_leave_the_engine(greedy, tmp_path):
+    server, url = greedy
+    want = server.service.tokenizer.decode(reference("greedy", [PROMPTS[1]], tmp_path)[0], skip_special_tokens=True)
+    stop = want[7:10]
+    c = client(url)
+    msgs = [{"role": "user", "content": PROMPTS[1]}]
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=MAX_TOKENS, stop=[stop, "never"])
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (want[:want.find(stop)], "stop")
+    _, text, finish, _ = stream_tokens(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=MAX_TOKENS,
+                                                                 stop=stop, stream=True))
+    assert (text, finish) == (want[:want.find(stop)], "stop")
+    assert wait_for(lambda: metric(url, "pipeline_kv_sequences") == 0)
+
+
+def test_stop_text_holds_back_what_may_begin_a_stop():
+    s = StopText(["END", "xy"])
+    assert s.push("abcE") == ("abc", False)
+    assert s.push("N") == ("", False)
+    assert s.push("Dzz") == ("", True)
+    s = StopText(["END"])
+    assert s.push("aE") == ("a", False) and s.push("b") == ("Eb", False) and s.flush() == ""
+
+
+def test_json_schema_response_format_validates(greedy):
+    _, url = greedy
+    c = client(url)
+    fmt = {"type": "json_schema", "json_schema": {"name": "color", "schema": SCHEMA}}
+    msgs = [{"role": "user", "content": "a color"}]
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=60, response_format=fmt)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    _, text, finish, _ = stream_tokens(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=60,
+                                                                 response_format=fmt, stream=True))
+    assert finish == "stop" and text == r.choices[0].message.content
+    r = c.completions.create(model="tiny", prompt="color:", max_tokens=20, extra_body={"regex": "(red|blue)!"})
+    assert r.choices[0].text in ("red!", "blue!")
+
+
+def test_a_failing_step_answers_500_and_the_server_goes_on(greedy):
+    server, url = greedy
+    runner = server.service.engine.runner
+
+    def boom(live):
+        del runner._step  # once: the class's own step again
+        raise RuntimeError("injected fault")
+
+    runner._step = boom
+    c = client(url)
+    msgs = [{"role": "user", "content": "x"}]
+    with pytest.raises(openai.InternalServerError, match="injected fault"):
+        c.chat.completions.create(model="tiny", messages=msgs, max_tokens=50)
+    assert wait_for(lambda: metric(url, "pipeline_kv_sequences") == 0)
+    assert metric(url, "pipeline_failed_steps_total") >= 1
+    assert c.chat.completions.create(model="tiny", messages=msgs, max_tokens=5).choices[0].finish_reason == "length"
+
+
+def test_past_the_queue_limit_requests_get_429():
+    with live_server("decode=greedy", "batch_size=1", "max_queue=1") as (_, url):
+        async def one(c):
+            try:
+                r = await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                    max_tokens=300)
+                return r.choices[0].finish_reason
+            except openai.RateLimitError as e:
+                assert e.response.headers["retry-after"] == "1"
+                return 429
+
+        async def all_of():
+            async with client(url, openai.AsyncOpenAI) as c:
+                return await asyncio.gather(*(one(c) for _ in range(5)))
+
+        out = asyncio.run(all_of())
+        assert out.count(429) >= 1 and out.count("length") >= 2 and set(out) <= {429, "length"}
+
+
+def test_sigterm_drains_and_exits_0(tmp_path):
+    """SIGTERM: the streaming request in flight finishes, a new one gets 503, the process exits 0."""
+    proc = subprocess.Popen([PYTHON, "-m", "pipeline.serve", "model=tiny", "port=0", f"hydra.run.dir={tmp_path}"],
+                            cwd=REPO_ROOT, env=subprocess_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "serving" not in line:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "the server exited before serving"
+        url = re.search(r"http://\S+", line).group(0)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 1900, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+            for raw in r.iter_lines():
+                if not raw.startswith("data:"):
+                    continue
+                events.append(raw[5:].strip())
+                if len(events) == 3:  # once (a second signal would abort what is in flight)
+                    proc.send_signal(signal.SIGTERM)
+                    assert wait_for(lambda: httpx.get(f"{url}/health").status_code == 503)
+                    refused = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False})
+                    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
