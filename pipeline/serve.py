@@ -7,15 +7,15 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from pipeline import threads
 from pipeline.cli import CONF_DIR, check_overrides
 from pipeline.errors import one_line_errors
+from pipeline.server.app import build_server
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="serve")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    from pipeline import threads
-    from pipeline.server.app import build_server
     threads.configure(cfg)
     build_server(cfg).run()
 
