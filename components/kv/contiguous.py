@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from components.kv.base import SequencePool
-from pipeline.core import KVPlan
+from pipeline.core import KVPlan, positive_int
 
 
 class ContiguousKV(SequencePool):
@@ -18,8 +18,7 @@ class ContiguousKV(SequencePool):
                  n_kv_heads: int | None = None, head_dim: int | None = None, dtype: torch.dtype | None = None,
                  device=None):
         """max_len: slots per sequence allocated up front (grown when a sequence needs more)."""
-        if not isinstance(max_len, int) or max_len <= 0:
-            raise ValueError(f"`kv.max_len` must be a positive int, got {max_len}")
+        positive_int(max_len, "kv.max_len")
         super().__init__(backbone, n_layers, n_kv_heads, head_dim, dtype, device)
         self.capacity = max_len
         self.buf = torch.zeros(self.n_layers, 2, 0, self.n_kv, max_len, self.hs, dtype=self.dtype, device=self.device)

@@ -17,7 +17,7 @@ import heapq
 import torch
 
 from components.kv.base import SequencePool
-from pipeline.core import KVPlan
+from pipeline.core import KVPlan, positive_int
 
 
 class PagedKV(SequencePool):
@@ -26,8 +26,7 @@ class PagedKV(SequencePool):
                  device=None):
         """num_blocks: the pool's initial size; it doubles when a step needs more."""
         for name, v in (("block_size", block_size), ("num_blocks", num_blocks)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"`kv.{name}` must be a positive int, got {v}")
+            positive_int(v, f"kv.{name}")
         super().__init__(backbone, n_layers, n_kv_heads, head_dim, dtype, device)
         self.block_size = block_size
         self.pool = torch.zeros(self.n_layers, 2, num_blocks, block_size, self.n_kv, self.hs, dtype=self.dtype, device=self.device)

@@ -46,7 +46,7 @@ import torch
 from components.heads.eagle import EagleDraft
 from components.kv.contiguous import ContiguousKV
 from components.proposer.policy import best_prefix, measured_costs
-from pipeline.core import DecodeState, KVManager, Proposer, StepBatch, Tree, UserError, forward_step
+from pipeline.core import DecodeState, KVManager, Proposer, StepBatch, Tree, UserError, forward_step, positive_int
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "checkpoints"
 
@@ -75,8 +75,7 @@ class EagleProposer(Proposer):
         if not callable(kv):
             raise TypeError(f"`kv` must make a KV manager (the run's kv group, partially applied), got {kv!r}")
         for name, v in (("width", width), ("depth", depth), ("max_nodes", max_nodes), ("batch_size", batch_size)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise UserError(f"proposer.{name} (tree.{name}) must be a positive int, got {v}")
+            positive_int(v, f"proposer.{name} (tree.{name})")
         if not isinstance(min_gain, (int, float)) or isinstance(min_gain, bool) or min_gain < 1:
             raise UserError(f"proposer.min_gain must be a number >= 1 (a tree must be predicted at least as fast "
                             f"as a plain step), got {min_gain!r}")
@@ -156,7 +155,35 @@ class EagleProposer(Proposer):
         out: dict[int, Tree | None] = {st.seq: None for st in states}
         if not live:
             return [None] * len(states)
-        # 1. committed pairs -> the draft cache; the last row predicts the root's feature
+        roots, logp = self._catch_up(live)  # (B, dim), (B, V')
+        # per sequence: nodes as (token, parent node, depth, cumulative log p, feature of the parent)
+        trees = []
+        for b, (st, s) in enumerate(live):
+            depth = min(self.depth, self.max_nodes, st.budget - 1)  # max_nodes drafts reach no deeper
+            trees.append(_Growing(depth))
+            if depth >= 1:
+                trees[-1].add_children(0, logp[b], self.width, self.draft.vocab_ids, roots[b])
+        committed = {s.dseq: self.kv.length(s.dseq) for _, s in live}
+        for d in range(2, self.depth + 1):
+            if not self._expand(live, trees, d, committed):
+                break
+        for _, s in live:
+            self.kv.discard(s.dseq)
+        # the best max_nodes candidates by cumulative log-probability
+        floor = math.log(self.p_min) if self.p_min > 0 else -math.inf
+        for (st, s), t in zip(live, trees):
+            out[st.seq] = t.tree(st.tokens[-1], self.max_nodes, floor, self.costs if self.auto else None, self.min_gain)
+            if self.auto and t.depth >= 1:  # a step that could have had a tree
+                n = 0 if out[st.seq] is None else len(out[st.seq].tokens) - 1
+                self.sized["steps"] += 1
+                self.sized["drafts"] += n
+                self.sized["plain"] += n == 0
+        return [out[st.seq] for st in states]
+
+    def _catch_up(self, live: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The committed (token, feature) pairs of every sequence into the draft cache, in one draft
+        forward; its last row per sequence predicts the root's feature. Returns those features (B, dim)
+        and the draft's log-probabilities after them (B, V'), on the host."""
         kv, draft = self.kv, self.draft
         batch = StepBatch.build([s.dseq for _, s in live], [torch.tensor(s.tokens) for _, s in live],
                                 [None] * len(live), [None] * len(live), [kv.used(s.dseq) for _, s in live])
@@ -168,65 +195,49 @@ class EagleProposer(Proposer):
             s.feats, s.tokens = [], []
         logp = torch.log_softmax(draft.logits(roots), dim=-1).cpu()  # (B, V'); on the host: synchronised
         self._timed(t0)
-        # per sequence: nodes as (token, parent node, depth, cumulative log p, feature of the parent)
-        trees = []
-        for b, (st, s) in enumerate(live):
-            depth = min(self.depth, self.max_nodes, st.budget - 1)  # max_nodes drafts reach no deeper
-            trees.append(_Growing(depth))
-            if depth >= 1:
-                trees[-1].add_children(0, logp[b], self.width, draft.vocab_ids, roots[b])
-        # 2. expand the best `width` nodes of the newest depth, all sequences in one draft forward:
-        # only the new rows run; each sees the committed slots and the tentative slots its ancestors
-        # were written to at earlier depths (`visible`), never a cousin's
-        committed = {s.dseq: kv.length(s.dseq) for _, s in live}
-        for d in range(2, self.depth + 1):
-            grow = [(b, t) for b, t in enumerate(trees) if t.depth >= d and t.frontier(d - 1)]
-            picks = [heapq.nlargest(self.width, t.frontier(d - 1), key=lambda n: t.score[n]) for _, t in grow]
-            if self.auto and self.draft_ms and grow:  # grow only where the new nodes' mass pays its share of the forward
-                share = sorted(self.draft_ms)[len(self.draft_ms) // 2] / len(grow)
-                worth = [sum(math.exp(t.score[n]) for n in pick) * self.costs[0] > share for (_, t), pick in zip(grow, picks)]
-                grow, picks = [g for g, w in zip(grow, worth) if w], [p for p, w in zip(picks, worth) if w]
-            if not grow:
-                break
-            t0 = time.perf_counter()
-            seqs = [live[b][1].dseq for b, _ in grow]
-            starts = [kv.used(q) for q in seqs]
-            visible = []
-            for (_, t), pick, q, st in zip(grow, picks, seqs, starts):
-                base, vis = committed[q], None
-                if st > base:  # the committed slots, and of the tentative ones each row's ancestors'
-                    vis = torch.zeros(len(pick), st, dtype=torch.bool)
-                    vis[:, :base] = True
-                    for i, n in enumerate(pick):
-                        for a in t.ancestors(n):
-                            vis[i, base + t.slot[a]] = True
-                visible.append(vis)
+        return roots, logp
+
+    def _expand(self, live: list, trees: list, d: int, committed: dict[int, int]) -> bool:
+        """Depth d: expand the best `width` nodes of depth d - 1, all sequences in one draft forward.
+        Only the new rows run; each sees the committed slots and the tentative slots its ancestors
+        were written to at earlier depths (`visible`), never a cousin's. False when nothing grew."""
+        kv, draft = self.kv, self.draft
+        grow = [(b, t) for b, t in enumerate(trees) if t.depth >= d and t.frontier(d - 1)]
+        picks = [heapq.nlargest(self.width, t.frontier(d - 1), key=lambda n: t.score[n]) for _, t in grow]
+        if self.auto and self.draft_ms and grow:  # grow only where the new nodes' mass pays its share of the forward
+            share = sorted(self.draft_ms)[len(self.draft_ms) // 2] / len(grow)
+            worth = [sum(math.exp(t.score[n]) for n in pick) * self.costs[0] > share for (_, t), pick in zip(grow, picks)]
+            grow, picks = [g for g, w in zip(grow, worth) if w], [p for p, w in zip(picks, worth) if w]
+        if not grow:
+            return False
+        t0 = time.perf_counter()
+        seqs = [live[b][1].dseq for b, _ in grow]
+        starts = [kv.used(q) for q in seqs]
+        visible = []
+        for (_, t), pick, q, st in zip(grow, picks, seqs, starts):
+            base, vis = committed[q], None
+            if st > base:  # the committed slots, and of the tentative ones each row's ancestors'
+                vis = torch.zeros(len(pick), st, dtype=torch.bool)
+                vis[:, :base] = True
                 for i, n in enumerate(pick):
-                    t.slot[n] = st - base + i
-            batch = StepBatch.build(
-                seqs, [torch.tensor([t.token[n] for n in pick]) for (_, t), pick in zip(grow, picks)],
-                [torch.full((len(pick),), committed[q] + d - 2 - st) for q, st, pick in zip(seqs, starts, picks)],
-                [torch.eye(len(pick), dtype=torch.bool) for pick in picks], starts, visible=visible)
-            f = forward_step(draft, kv, batch, torch.stack([t.parent_feat[n] for (_, t), pick in zip(grow, picks) for n in pick]))
-            lp = torch.log_softmax(draft.logits(f), dim=-1).cpu()
-            self._timed(t0)
-            r = 0
-            for (_, t), pick in zip(grow, picks):
-                for n in pick:
-                    t.add_children(n, lp[r], self.width, draft.vocab_ids, f[r])
-                    r += 1
-        for _, s in live:
-            kv.discard(s.dseq)
-        # 3. the best max_nodes candidates by cumulative log-probability
-        floor = math.log(self.p_min) if self.p_min > 0 else -math.inf
-        for (st, s), t in zip(live, trees):
-            out[st.seq] = t.tree(st.tokens[-1], self.max_nodes, floor, self.costs if self.auto else None, self.min_gain)
-            if self.auto and t.depth >= 1:  # a step that could have had a tree
-                n = 0 if out[st.seq] is None else len(out[st.seq].tokens) - 1
-                self.sized["steps"] += 1
-                self.sized["drafts"] += n
-                self.sized["plain"] += n == 0
-        return [out[st.seq] for st in states]
+                    for a in t.ancestors(n):
+                        vis[i, base + t.slot[a]] = True
+            visible.append(vis)
+            for i, n in enumerate(pick):
+                t.slot[n] = st - base + i
+        batch = StepBatch.build(
+            seqs, [torch.tensor([t.token[n] for n in pick]) for (_, t), pick in zip(grow, picks)],
+            [torch.full((len(pick),), committed[q] + d - 2 - st) for q, st, pick in zip(seqs, starts, picks)],
+            [torch.eye(len(pick), dtype=torch.bool) for pick in picks], starts, visible=visible)
+        f = forward_step(draft, kv, batch, torch.stack([t.parent_feat[n] for (_, t), pick in zip(grow, picks) for n in pick]))
+        lp = torch.log_softmax(draft.logits(f), dim=-1).cpu()
+        self._timed(t0)
+        r = 0
+        for (_, t), pick in zip(grow, picks):
+            for n in pick:
+                t.add_children(n, lp[r], self.width, draft.vocab_ids, f[r])
+                r += 1
+        return True
 
 
 class _Growing:

@@ -11,7 +11,7 @@ import torch
 
 from components.heads.medusa import MedusaHeads
 from components.proposer.policy import size_tree
-from pipeline.core import DecodeState, Proposer, StaticTree, Tree, UserError, dynamic_tree
+from pipeline.core import DecodeState, Proposer, StaticTree, Tree, UserError, dynamic_tree, positive_int
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "checkpoints"
 
@@ -39,9 +39,7 @@ class MedusaProposer(Proposer):
         (the product of the heads' probabilities along the path) is below it are dropped; None = the
         tree file's `p_min` (a tree installed from a search carries its own), else 0. batch_size: the
         run's, at which nodes="auto" weighs the drafts' rows."""
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise UserError(f"proposer.batch_size must be a positive int, got {batch_size!r}")
-        self.batch_size = batch_size
+        self.batch_size = positive_int(batch_size, "proposer.batch_size")
         if p_min is not None and (not isinstance(p_min, (int, float)) or isinstance(p_min, bool) or not 0 <= p_min < 1):
             raise UserError(f"proposer.p_min must be a probability in [0, 1), got {p_min}")
         if not (nodes in (None, "auto") or (isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 0)):
@@ -63,19 +61,7 @@ class MedusaProposer(Proposer):
         if choices is None and tree_file == "auto" and (path.parent / "tree.json").is_file():
             tree_file = str(path.parent / "tree.json")
         if choices is None and tree_file not in (None, "auto"):
-            if not Path(tree_file).is_file():
-                raise UserError(f"tree file {tree_file} does not exist: run `python -m pipeline.tree_search` or set tree.choices")
-            try:
-                found = json.loads(Path(tree_file).read_text())
-                choices = found["choices"]
-                if p_min is None:
-                    self.p_min = float(found.get("p_min", 0.0))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise UserError(f"tree file {tree_file} is not a tree: it needs a JSON object with \"choices\" "
-                                "(write one with `python -m pipeline.tree_search`)") from None
-            order = [(tuple(int(r) for r in path), float(q)) for path, q in found.get("path_probability", [])]
-            if nodes is not None and order:
-                choices = self._size(backbone, order, nodes, Path(tree_file))
+            choices = self._from_tree_file(backbone, Path(tree_file), nodes, p_min)
         if choices == []:  # the policy chose plain decoding
             self.tree = None
         elif choices is not None:
@@ -87,6 +73,24 @@ class MedusaProposer(Proposer):
                             f"use tree.depth <= {self.heads.num_heads}")
 
         self.width, self.max_nodes = width, max_nodes
+
+    def _from_tree_file(self, backbone, tree_file: Path, nodes, p_min) -> list[list[int]]:
+        """The paths of a tree search's tree.json (the first `nodes` of its ranking where it ranks
+        them), and its p_min unless one was given."""
+        if not tree_file.is_file():
+            raise UserError(f"tree file {tree_file} does not exist: run `python -m pipeline.tree_search` or set tree.choices")
+        try:
+            found = json.loads(tree_file.read_text())
+            choices = found["choices"]
+            if p_min is None:
+                self.p_min = float(found.get("p_min", 0.0))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise UserError(f"tree file {tree_file} is not a tree: it needs a JSON object with \"choices\" "
+                            "(write one with `python -m pipeline.tree_search`)") from None
+        order = [(tuple(int(r) for r in path), float(q)) for path, q in found.get("path_probability", [])]
+        if nodes is not None and order:
+            choices = self._size(backbone, order, nodes, tree_file)
+        return choices
 
     def _size(self, backbone, order, nodes, tree_file: Path) -> list[list[int]]:
         """The first n of the tree search's ranked paths: n given, or chosen by the policy."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.core import DecodeState, Proposer, Tree
+from pipeline.core import DecodeState, Proposer, Tree, positive_int
 
 
 class NgramProposer(Proposer):
@@ -20,8 +20,7 @@ class NgramProposer(Proposer):
                  max_nodes: int = 16, max_backoff: int = 8):
         for name, v in (("max_ngram", max_ngram), ("min_ngram", min_ngram), ("depth", depth),
                         ("width", width), ("max_nodes", max_nodes)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"`proposer.{name}` must be a positive int, got {v}")
+            positive_int(v, f"proposer.{name}")
         if min_ngram > max_ngram:
             raise ValueError(f"`proposer.min_ngram` ({min_ngram}) must be <= `proposer.max_ngram` ({max_ngram})")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.core import DecodeState, Proposer, StepBatch, Tree, forward_step
+from pipeline.core import DecodeState, Proposer, StepBatch, Tree, forward_step, positive_int
 
 
 def parse_layers(spec, n_layers: int) -> list[int]:
@@ -30,10 +30,7 @@ def parse_layers(spec, n_layers: int) -> list[int]:
 
 class SelfSpecProposer(Proposer):
     def __init__(self, backbone, layers=None, depth: int = 4, width: int = 1, min_prob: float = 0.0):
-        if not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"`proposer.depth` must be a positive int, got {depth}")
-        if not isinstance(width, int) or width < 1:
-            raise ValueError(f"`proposer.width` must be a positive int, got {width}")
+        positive_int(depth, "proposer.depth"), positive_int(width, "proposer.width")
         if not 0.0 <= min_prob < 1.0:
             raise ValueError(f"`proposer.min_prob` must be in [0, 1), got {min_prob}")
         self.model = backbone.model

@@ -11,13 +11,14 @@ verified tree commit the same tokens (greedy) or the same distribution (exact sa
 """
 from __future__ import annotations
 
+from pipeline.errors import positive_int
+
 
 class SpeculationGuard:
     def __init__(self, warmup: int = 2, probe: int = 6, backoff: int = 16, max_backoff: int = 512,
                  decay: float = 0.7, margin: float = 1.0):
         for name, v in (("warmup", warmup), ("probe", probe), ("backoff", backoff), ("max_backoff", max_backoff)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"guard.{name} must be a positive int, got {v}")
+            positive_int(v, f"guard.{name}")
         self.warmup, self.probe, self.base_backoff, self.max_backoff = warmup, probe, backoff, max_backoff
         self.decay, self.margin = decay, margin
         self.reset()

@@ -13,6 +13,8 @@ from functools import lru_cache
 
 import torch
 
+from pipeline.errors import positive_int
+
 
 @dataclass
 class Tree:
@@ -132,8 +134,7 @@ class StaticTree:
         """A full `width`-ary tree of `depth` levels, pruned to the first `max_nodes` drafts in
         breadth-first rank order (lower ranks and shallower nodes first)."""
         for name, v in (("width", width), ("depth", depth)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"`tree.{name}` must be a positive int, got {v}")
+            positive_int(v, f"tree.{name}")
         paths, frontier = [], [()]
         for _ in range(depth):
             frontier = [p + (r,) for p in frontier for r in range(width)]
