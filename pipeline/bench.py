@@ -10,6 +10,9 @@ llama.cpp or vLLM: pipeline/llama_cpp_peer.py, pipeline/vllm_peer.py) gets a who
 `runner.run(prompts, seeds)`, so `batch_size=B` batches every pipeline, the peers included;
 request k samples with seed + k. Writes bench.json into the run directory and prints
 a Markdown table.
+
+One module (~330 lines) for one command: composing the entries, running the rounds and the
+report share the Entry/Pipeline records; the peers live in their own modules.
 """
 from __future__ import annotations
 

@@ -10,6 +10,9 @@ with cheap fork and unlimited rollback. What this module adds:
 - EOS is the model's own end token (the engine's EOS ids), allowed only where the language may end;
 - an invalid regex, schema or grammar is refused by `check` before any model loads, with XGrammar's
   message, in one line.
+
+One module (~420 lines) for the three XGrammar-backed options (regex, json_schema, ebnf): they
+share the tokenizer info, the special-token mask, the compile cache and the state class.
 """
 from __future__ import annotations
 

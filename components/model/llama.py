@@ -9,6 +9,9 @@ Each layer's four matrices (q/k/v fused, the output projection, gate/up fused, d
 components/model/linear.py: `Dense` ([in, out], float32 or bfloat16, with the kernel measured
 fastest per row count) or `Int4` (the GGUF's 4-bit blocks as shipped). The activation dtype is the
 embedding's: float32 for the float32 mode, bfloat16 for the bfloat16 and q4 modes.
+
+One module (~420 lines), as gpt-fast keeps its model.py: the args, the blocks (torch and native
+paths side by side, each the other's reference), the step and the LM head read together.
 """
 from __future__ import annotations
 

@@ -17,6 +17,9 @@ LLM_DECODE_NATIVE=0 (model.native=false).
 GGUF files are read with gguf-py (memory-mapped) and de-quantized by our own code, bit for bit as
 gguf-py does; nothing is converted to disk. Only the tokenizer (and config) is cached, under
 $PIPELINE_CACHE (default ~/.cache/llm-decode), keyed by the file's content. Nothing is downloaded.
+
+One module (~360 lines) for the `model` group's loaders: GGUF, Hugging Face folder and tiny share
+the assembly, the decoding choices and the cache keys.
 """
 from __future__ import annotations
 

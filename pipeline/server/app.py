@@ -1,7 +1,11 @@
 """The HTTP side: FastAPI routes on uvicorn, each request checked (openai_api, admit) before it
 reaches the engine thread (loop), its tokens detokenised as they come (pipeline.streaming), cut at
 its stop strings, and answered whole or as server-sent events; Prometheus metrics; a uvicorn
-server whose SIGTERM drains (stops admitting, finishes what is in flight, exits 0)."""
+server whose SIGTERM drains (stops admitting, finishes what is in flight, exits 0).
+
+One module (~360 lines): the routes, their streaming and the drain share the request records and
+the metrics registry; the wire format is openai_api.py, the engine thread loop.py.
+"""
 from __future__ import annotations
 
 import asyncio
