@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 
 from pipeline.build import build_engine, check_constraint, component_choice, constraint_node
 from pipeline.core import UserError
-from pipeline.decode import depth_acceptance
+from pipeline.metrics import depth_acceptance
 from pipeline.server.admit import Admitter
 from pipeline.server.loop import EngineLoop, Job, Refused
 from pipeline.server.openai_api import (FINISH, APIError, Spec, chunk, completion, read_body, read_spec, response_id,
