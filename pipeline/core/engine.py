@@ -79,7 +79,8 @@ class Engine(Runner):
         self.target = TargetStage(sampler.processors, greedy=sampler.greedy)
         self.masks = StepConstraints(model.args.vocab_size, self.eos_ids)
 
-    def _start_run(self) -> None:
+    def reset(self) -> None:
+        """The speculation guard's measurements start afresh."""
         if self.guard is not None:
             self.guard.reset()
 

@@ -80,18 +80,21 @@ class Runner(ABC):
         self._queue.append((handle, request))
         return handle
 
-    def abort(self, handle: int) -> bool:
-        """Drop a request, queued or live, at once (its memory back in the pool). False if unknown."""
+    def abort(self, handle: int) -> Generation | None:
+        """Drop a request, queued or live, at once (its memory back in the pool). Returns what it
+        had made so far (finish_reason "abort"; empty if it was still queued), None if unknown."""
         for item in self._queue:
             if item[0] == handle:
                 self._queue.remove(item)
-                return True
+                return Generation(finish_reason="abort")
         for s in self._live:
             if s.index == handle:
                 self._live.remove(s)
                 self._release(s)
-                return True
-        return False
+                gen = self._finish(s)
+                gen.finish_reason = "abort"
+                return gen
+        return None
 
     @property
     def has_work(self) -> bool:
@@ -144,8 +147,8 @@ class Runner(ABC):
             check_prompt(i, p, self.model.args.max_seq_len)
         seeds = [self.seed + i for i in range(len(prompts))] if seeds is None else list(seeds)
         grammars = [None] * len(prompts) if grammars is None else list(grammars)
-        self.on_tokens = on_tokens
-        self._start_run()
+        on_tokens, self.on_tokens = self.on_tokens, on_tokens  # a server's callback comes back after
+        self.reset()
         out: list[Generation | None] = [None] * len(prompts)
         try:
             for p, s, g in zip(prompts, seeds, grammars):
@@ -157,7 +160,7 @@ class Runner(ABC):
                         on_finish(i, gen)
         finally:
             self.abort_all()
-            self.on_tokens = None
+            self.on_tokens = on_tokens
         return out
 
     def generate(self, prompt_ids: list[int], on_tokens: Callable[[list[int]], None] | None = None,
@@ -181,8 +184,8 @@ class Runner(ABC):
         return {"kv": self.kv.stats()}
 
     # --- what a runner implements ---------------------------------------------------------------
-    def _start_run(self) -> None:
-        """Called once at the start of run()."""
+    def reset(self) -> None:
+        """Per-run state starts afresh (run() calls it; a server after its warm-up)."""
 
     def _grammar(self, request: Request):
         return request.grammar or self.constraint

@@ -42,7 +42,7 @@ class DecodeState:
 class Generation:
     """One finished request."""
     token_ids: list[int] = field(default_factory=list)  # generated tokens (EOS included when it ended on it)
-    finish_reason: str = "length"  # eos | length | context | constraint_complete
+    finish_reason: str = "length"  # eos | length | context | constraint_complete | abort (Runner.abort)
     accepted_lengths: list[int] = field(default_factory=list)  # tokens committed per target forward (prefill first)
     step_ms: list[float] = field(default_factory=list)  # wall time per step this request took part in
     step_nodes: list[int] = field(default_factory=list)  # its tree nodes per step (1 = plain step)

@@ -355,6 +355,7 @@ def build_server(cfg: DictConfig) -> Server:
     if cfg.get("warmup", True):  # first-call costs (allocation, MKL set-up) stay out of the first request
         runner.run([backbone.tokenizer.encode("Hello", add_special_tokens=False)],
                    max_new_tokens=min(4, runner.max_new_tokens))
+        runner.reset()  # the guard measures served requests only
     model = cfg.get("served_model_name") or component_choice("model", cfg.model)
     service = Service(cfg, runner, backbone, str(model), cfg.max_queue)
     config = uvicorn.Config(create_app(service), host=str(cfg.host), port=port, log_level="warning",
