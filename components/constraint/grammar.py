@@ -334,6 +334,8 @@ class JSONSchema(XGrammarConstraint):
         if not isinstance(close_margin, int) or isinstance(close_margin, bool) or close_margin < 0:
             raise UserError(f"constraint.close_margin must be an int >= 0, got {close_margin!r}")
         self.close_margin = close_margin
+        if not approximate:  # `check` refused it before the model loaded on the CLI; here for direct use
+            self.check(schema, any_whitespace, indent, strict_mode, approximate=False)
         super().__init__(backbone, add_to_prompt)
         self.scan = _json_scan(backbone) if close_margin else None
 

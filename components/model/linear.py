@@ -28,8 +28,9 @@ class Dense(nn.Module):
         self.weight_t: torch.Tensor | None = None
         self.min_rows = 1  # set by Transformer.optimize_for_decoding from the machine's probe
 
-    def make_transposed(self, enable: bool = True):
-        self.weight_t = self.weight.detach().t().contiguous() if enable else None
+    def make_transposed(self) -> None:
+        """Keep W^T beside W: the kernels that read it (`linear`, `padded_t`) then need no copy."""
+        self.weight_t = self.weight.detach().t().contiguous()
 
     def forward(self, x: torch.Tensor, kernel: str = "xw") -> torch.Tensor:
         return matmul(x, self.weight, self.weight_t, kernel, self.min_rows)
@@ -122,8 +123,8 @@ class Int4(nn.Module):
         eye = torch.eye(self.in_features, dtype=self.dtype, device=self.packed.device)
         return self(eye).float()
 
-    def make_transposed(self, enable: bool = True):
-        pass
+    def make_transposed(self) -> None:
+        """Nothing to keep: the packed blocks are the only layout the int4 kernel reads."""
 
 
 class Int8Rows(nn.Module):

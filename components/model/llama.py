@@ -374,7 +374,7 @@ class Transformer(nn.Module):
         head, kernels = decoding_choices(head, kernels)
         for blk in self.layers:
             for m in blk.matrices():
-                m.make_transposed(True)
+                m.make_transposed()
         if not self.args.tie_embeddings:
             self.lm_head_t = self.lm_head.detach().t().contiguous()
         if self.precision == "q4" and self.device.type == "cpu" and head == "int8":
