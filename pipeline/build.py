@@ -9,12 +9,11 @@ import json
 import sys
 from pathlib import Path
 
-import yaml
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.cli import CONF_DIR, compose_config, groups
+from pipeline.cli import CONF_DIR, compose_config, groups, option_nodes
 
 from pipeline.core import Runner, UserError, positive_int
 from pipeline.core.guard import SpeculationGuard
@@ -190,7 +189,7 @@ def component_choice(group: str, node) -> str:
     choice = None if hc is None else hc.runtime.choices.get(group)
     if choice:
         return str(choice)
-    for f in sorted((CONF_DIR / group).glob("*.yaml")):
-        if _pick(OmegaConf.create(yaml.safe_load(f.read_text()) or {})) == _pick(node):
-            return f.stem
+    for name, option in option_nodes(group).items():
+        if _pick(option) == _pick(node):
+            return name
     return str(OmegaConf.select(node, "_target_")).rsplit(".", 1)[-1]

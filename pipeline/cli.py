@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import re
 from pathlib import Path
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.errors import die
@@ -15,8 +17,16 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 def groups() -> dict[str, list[str]]:
+    """The registry: every config group of conf/ with its options."""
     return {d.name: sorted(p.stem for p in d.glob("*.yaml"))
             for d in CONF_DIR.iterdir() if d.is_dir() and d.name != "hydra"}
+
+
+@functools.lru_cache(maxsize=None)
+def option_nodes(group: str) -> dict[str, DictConfig]:
+    """Each option of a group as its YAML holds it (before composition), by option name."""
+    return {name: OmegaConf.create(yaml.safe_load((CONF_DIR / group / f"{name}.yaml").read_text()) or {})
+            for name in groups().get(group, [])}
 
 
 FREE_TEXT_KEYS = ("prompt", "system_prompt", "constraint.pattern", "constraint.grammar", "constraint.schema")
