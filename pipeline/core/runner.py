@@ -108,6 +108,7 @@ class Runner(ABC):
     def queued(self) -> int:
         return len(self._queue)
 
+    @torch.inference_mode()
     def step(self) -> list[tuple[int, Generation]]:
         """Admit what fits, run one step over the live requests, and return the (handle, Generation)
         of each request that finished in it (its memory already back in the pool)."""
