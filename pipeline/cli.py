@@ -9,7 +9,12 @@ import re
 from pathlib import Path
 
 import yaml
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from pipeline.errors import die
 
@@ -38,7 +43,6 @@ def quote_free_text(argv: list[str]) -> list[str]:
     grammar rejects it ("Ambiguous value"). A free-text value that Hydra would not read as the one
     string typed is quoted for it, as typed: backslashes before a quote or at the end doubled,
     quotes escaped, `${` kept literal. A value already quoted for Hydra is left alone."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     parser, out = OverridesParser.create(), []
     for arg in argv:
         key, eq, value = arg.partition("=")
@@ -58,8 +62,6 @@ def quote_free_text(argv: list[str]) -> list[str]:
 def composing():
     """`hydra.compose` needs an initialized GlobalHydra: the running app's own (it searches the same
     conf/) inside an entry point, or a temporary one when called from Python."""
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     if GlobalHydra.instance().is_initialized():
         yield
     else:
@@ -68,7 +70,6 @@ def composing():
 
 
 def compose_config(overrides: list[str], config_name: str = "config") -> DictConfig:
-    from hydra import compose
     with composing():
         return compose(config_name=config_name, overrides=list(overrides))
 
@@ -82,9 +83,6 @@ def check_overrides(argv: list[str], config_name: str) -> None:
     check_group_overrides(argv)
     if any(a in ("-m", "--multirun") or a.startswith("-") for a in argv):
         return  # sweeps and Hydra's own flags: left to Hydra
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
     overrides = [a for a in argv if "=" in a and not a.lstrip("+~").startswith("hydra")]
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from components.heads.medusa import MedusaHeads
@@ -41,8 +42,6 @@ def backbone_for(checkpoint: Path, model_path: str | None):
         return from_pretrained(model_path, dtype="float32")
     stored = checkpoint.parent / "train_config.yaml"
     if stored.is_file():
-        from omegaconf import OmegaConf
-
         model_cfg = OmegaConf.load(stored).get("model")
         if model_cfg is not None:
             if "dtype" in model_cfg:

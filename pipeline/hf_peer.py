@@ -66,7 +66,7 @@ def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
 
 def hf_config(args: LlamaArgs):
     """The LlamaConfig of our args (the inverse of `LlamaArgs.from_hf_config`)."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # transformers is slow to import: loaded only when a peer is built
     if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:  # transformers >= 5
         rope = {"rope_parameters": {**(args.rope_scaling or {"rope_type": "default"}), "rope_theta": args.rope_theta}}
     else:
@@ -82,8 +82,8 @@ def hf_config(args: LlamaArgs):
 
 def to_hf(backbone):
     """A `LlamaForCausalLM` holding the backbone's weights, in the backbone's dtype, in eval mode."""
-    from transformers import LlamaForCausalLM
-    try:
+    from transformers import LlamaForCausalLM  # slow to import, see hf_config
+    try:  # transformers >= 5
         from transformers.initialization import no_init_weights
     except ImportError:  # transformers < 5
         from transformers.modeling_utils import no_init_weights
@@ -110,7 +110,7 @@ class HFPeer:
 
     def __init__(self, hf_model, eos_ids: list[int], max_new_tokens: int, seed: int = 0, batch_size: int = 1,
                  **generate_kwargs):
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig  # slow to import, see hf_config
         positive_int(max_new_tokens, "max_new_tokens"), positive_int(batch_size, "batch_size")
         unknown = set(generate_kwargs) - set(GENERATE_KNOBS)
         if unknown:

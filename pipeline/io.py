@@ -9,17 +9,15 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-if TYPE_CHECKING:
-    from hydra.core.hydra_config import HydraConfig
+from hydra.core.hydra_config import HydraConfig
 
 __all__ = ["append_jsonl", "atomic_write", "hydra_config", "run_dir", "write_json"]
 
 
-def hydra_config() -> "HydraConfig | None":
+def hydra_config() -> HydraConfig | None:
     """Hydra's runtime config (`.runtime`, `.overrides`, `.mode`, ...) inside a Hydra app, else None."""
-    from hydra.core.hydra_config import HydraConfig
     return HydraConfig.get() if HydraConfig.initialized() else None
 
 

@@ -9,6 +9,7 @@ Its prompt cache is cleared between requests, so a shared system prompt is not r
 """
 from __future__ import annotations
 
+import importlib.util
 import time
 from pathlib import Path
 
@@ -20,7 +21,6 @@ INSTALL_HINT = "install it with `make peers` (builds llama-cpp-python, 10-20 min
 
 
 def available() -> bool:
-    import importlib.util
     return importlib.util.find_spec("llama_cpp") is not None
 
 
@@ -33,7 +33,7 @@ class LlamaCppPeer:
             raise UserError(f"llama_cpp is not installed: {INSTALL_HINT}")
         if Path(gguf_path).suffix != ".gguf":
             raise UserError(f"the llama_cpp peer needs a .gguf model, got {gguf_path}: pass model.path=<file.gguf>")
-        from llama_cpp import Llama
+        from llama_cpp import Llama  # an optional extra (make peers): imported only when the peer runs
         threads = threads or torch.get_num_threads()
         self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                          n_batch=512, verbose=False)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import torch
+from hydra.types import RunMode
 
 from pipeline.errors import UserError
 from pipeline.io import hydra_config
@@ -28,7 +29,6 @@ def cores() -> int:
 
 def parallel_jobs() -> int:
     """Jobs of this sweep that run at the same time on this machine (1 outside a joblib sweep)."""
-    from hydra.types import RunMode
     hc = hydra_config()
     if hc is None or hc.mode != RunMode.MULTIRUN or "joblib" not in str(hc.launcher.get("_target_", "")):
         return 1

@@ -9,10 +9,14 @@ proposer.checkpoint=...), metrics.json and train_config.yaml.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 import time
+import warnings
 
 import hydra
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.build import component
@@ -22,8 +26,8 @@ from pipeline.io import run_dir, write_json
 
 
 def train(cfg: DictConfig) -> tuple[dict, dict]:
+    # Lightning takes seconds to import: loaded when training starts, after check_overrides has read the command line
     import lightning as L
-    from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
@@ -53,7 +57,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     finally:
         for lg in loggers:
             if hasattr(lg, "experiment") and type(lg).__name__ == "WandbLogger":
-                import wandb
+                import wandb  # optional and slow to import: only logger=wandb loads it
                 wandb.finish()
     metrics = {k: float(v) for k, v in val.items()}
     metrics.update({"train_wall_s": round(wall, 1), "train_tokens": int(data.train_set.tokens.numel()),
@@ -74,8 +78,6 @@ def quiet_lightning(path) -> None:
     """Lightning's banners and tips (accelerator lines, model summaries, "consider increasing
     num_workers") go to <run dir>/train.log and wandb's are silenced, not the terminal: what the
     job says there is its progress bars and its last line."""
-    import logging
-    import os
     os.environ.setdefault("WANDB_SILENT", "true")  # wandb's own banner lines too (its files say where the run is)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
@@ -85,7 +87,6 @@ def quiet_lightning(path) -> None:
             log.removeHandler(h)
         log.addHandler(handler)
         log.propagate = False
-    import warnings
     warnings.filterwarnings("ignore", message=".*(num_workers|log_every_n_steps|LeafSpec).*")
 
 

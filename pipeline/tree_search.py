@@ -20,6 +20,7 @@ from pathlib import Path
 
 import hydra
 import torch
+from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from components.data.datamodule import head_targets
@@ -65,9 +66,6 @@ def grow_tree(ranks: torch.Tensor, max_nodes: int, max_rank: int) -> list[tuple[
 
 
 def search(cfg: DictConfig) -> tuple[dict, dict]:
-    from hydra.utils import instantiate
-
-
     backbone = component(cfg.model)
     proposer = component(cfg.proposer, backbone)
     heads = proposer.heads

@@ -19,14 +19,16 @@ import sys
 
 # this folder holds modules named like the ones vLLM imports (requests, io): keep it off the path
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+import itertools  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
+import traceback  # noqa: E402
 
 
 def decode(engine, next_id, job: dict) -> dict:
     """Every prompt of the job, at most `max_running` at once: a request is admitted as soon as a
     slot is free (continuous batching; 1 = one request after another)."""
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # in .venv-vllm only, as main's `import vllm` says
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
     params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], ignore_eos=False,
@@ -74,9 +76,7 @@ def main() -> None:
         reply.flush()
 
     try:
-        import itertools
-
-        import vllm
+        import vllm  # in .venv-vllm only: imported here so that a failure goes back as an {"error"} line
         t0 = time.perf_counter()
         llm = vllm.LLM(**settings)
         send({"ready": True, "vllm": vllm.__version__, "startup_s": time.perf_counter() - t0})
@@ -85,7 +85,6 @@ def main() -> None:
             if line.strip():
                 send(decode(llm.llm_engine, next_id, json.loads(line)))
     except Exception as e:  # noqa: BLE001 - the peer shows it in one line, the traceback is in the log
-        import traceback
         traceback.print_exc()
         send({"error": f"{type(e).__name__}: {e}".splitlines()[0]})
         sys.exit(1)

@@ -14,6 +14,10 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
 PROMPTS = ["Write a haiku about autumn.", "What is the capital of France?", "List three colors.",
            "Explain gravity to a child."]
 SETTINGS = [  # generate() knobs of each reference run (num_return_sequences = num_beams)
@@ -26,6 +30,7 @@ MAX_NEW_TOKENS = 20
 
 def export(out: Path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    # the project only here: `generate` runs in a transformers-4 environment that lacks its dependencies
     from components.model.load import from_pretrained
     from pipeline.core import encode_chat
     from pipeline.hf_peer import to_hf
@@ -41,9 +46,6 @@ def export(out: Path) -> None:
 
 
 def generate(src: Path, dst: Path) -> None:
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
     meta = json.loads((src / "prompts.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(src / "model", torch_dtype=torch.float32).eval()
     eos = meta["eos_ids"]

@@ -19,8 +19,15 @@ import json
 import sys
 from pathlib import Path
 
+import jsonschema
+from omegaconf import open_dict
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from components.constraint.grammar import JSONSchema  # noqa: E402
+from pipeline.cli import compose_config, composing  # noqa: E402
+from pipeline.core import UserError  # noqa: E402
+from pipeline.decode import decode  # noqa: E402
 
 PROMPT = "Generate one realistic example object for this JSON schema"
 SCHEMA_IN_PROMPT = 6000  # characters of compact schema shown in the prompt at most (larger: the title only)
@@ -46,8 +53,6 @@ def load_schemas(data: Path, per_category: int | None) -> list[tuple[str, str, d
 
 def compile_check(schema: dict, options: dict) -> tuple[str | None, list[str]]:
     """(None, warnings) when the schema compiles, else (the one-line reason, [])."""
-    from components.constraint.grammar import JSONSchema
-    from pipeline.core import UserError
     try:
         return None, JSONSchema.check(json.dumps(schema), **options)
     except UserError as e:
@@ -56,7 +61,6 @@ def compile_check(schema: dict, options: dict) -> tuple[str | None, list[str]]:
 
 def validate(schema: dict, text: str) -> tuple[bool, bool, str | None]:
     """(parses, validates, the first validation error)."""
-    import jsonschema
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
@@ -68,10 +72,6 @@ def validate(schema: dict, text: str) -> tuple[bool, bool, str | None]:
 
 def run(data: Path, out: Path, per_category: int | None = None, max_new_tokens: int = 512, batch_size: int = 8,
         overrides: list[str] | None = None, backbone=None, close_margin: int = 128, approximate: bool = False) -> dict:
-    from omegaconf import open_dict
-
-    from pipeline.cli import compose_config, composing
-    from pipeline.decode import decode
     schemas = load_schemas(data, per_category)
     with composing():
         cfg = compose_config([f"max_new_tokens={max_new_tokens}", f"batch_size={batch_size}", "stream=false",

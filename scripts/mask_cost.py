@@ -15,23 +15,22 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+from hydra.utils import get_class
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from components.model.load import from_pretrained_tokenizer  # noqa: E402
+from pipeline.build import constraint_node  # noqa: E402
+from pipeline.cli import compose_config, composing  # noqa: E402
+from pipeline.core import Target  # noqa: E402
+from pipeline.core.bits import words  # noqa: E402
+from pipeline.requests import load_requests  # noqa: E402
 
 
 def main() -> None:
-    from components.model.load import from_pretrained_tokenizer
-    from pipeline.build import constraint_node
-    from pipeline.cli import compose_config, composing
-    from pipeline.core import Target
-    from pipeline.core.bits import words
-    from pipeline.requests import load_requests
-    from hydra.utils import get_class
-    from types import SimpleNamespace
-
     torch.set_num_threads(1)
     run = Path(sys.argv[1])
     results = json.loads((run / "results.json").read_text())

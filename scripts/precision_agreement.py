@@ -13,6 +13,7 @@ import sys
 import torch
 
 from components.model.load import from_pretrained, smollm2_gguf
+from pipeline import llama_cpp_peer
 from pipeline.bench import DEFAULT_INPUT
 from pipeline.build import build_engine
 from pipeline.cli import compose_config
@@ -46,7 +47,6 @@ def main():
     print(row("float32", ref, ref, n))
     for dtype in ("bfloat16", "q4"):
         print(row(dtype, greedy(from_pretrained(dtype=dtype), dtype, prompts, n), ref, n), flush=True)
-    from pipeline import llama_cpp_peer
     if llama_cpp_peer.available():
         peer = llama_cpp_peer.LlamaCppPeer(smollm2_gguf(), eos, n)
         print(row("llama.cpp (same GGUF)", [g.token_ids for g in peer.run(prompts)], ref, n))

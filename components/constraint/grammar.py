@@ -17,11 +17,14 @@ share the tokenizer info, the special-token mask, the compile cache and the stat
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from pipeline.core import Constraint, Grammar, UserError
 from pipeline.core.bits import allows, pack, unpack, words
@@ -30,7 +33,7 @@ VERSION = "0.2.9"
 
 
 def _xgr():
-    try:
+    try:  # installed by `make setup` (not a pip dependency) and slow to import: only constraints load it
         import xgrammar
     except ImportError:
         raise UserError(f"regex / json_schema / ebnf constraints need XGrammar: run `make setup` "
@@ -47,8 +50,6 @@ def engine_message(e: Exception) -> str:
 def quiet(fn):
     """Run fn with the C++ side's stderr (XGrammar logs its warnings there) captured: returns
     (result, [warning, ...]) with each warning stripped of its location prefix."""
-    import os
-    import tempfile
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile(mode="w+b") as tmp:
@@ -217,7 +218,7 @@ def _json_scan(backbone) -> tuple[torch.Tensor, torch.Tensor]:
     tok, vocab = backbone.tokenizer, backbone.model.args.vocab_size
     key = (id(tok), vocab)
     if key not in _SCANS:
-        from transformers.convert_slow_tokenizer import bytes_to_unicode
+        from transformers.convert_slow_tokenizer import bytes_to_unicode  # slow to import, loaded with the tokenizer
         byte = {v: k for k, v in bytes_to_unicode().items()}
         delta = torch.zeros(2, vocab, dtype=torch.long)
         ends = torch.zeros(2, vocab, dtype=torch.long)
@@ -302,11 +303,7 @@ def schema_text(schema) -> str:
         raise UserError("constraint=json_schema needs a schema: constraint.schema=<file.json> or a request "
                         'line with "json_schema": {...}')
     if not isinstance(schema, str):
-        try:
-            from omegaconf import OmegaConf
-            schema = OmegaConf.to_container(schema, resolve=True) if OmegaConf.is_config(schema) else schema
-        except ImportError:
-            pass
+        schema = OmegaConf.to_container(schema, resolve=True) if OmegaConf.is_config(schema) else schema
         return json.dumps(schema)
     text = _read(schema, "schema", (".json",))
     try:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf import dequantize as gguf_dequantize
 
 from components.model.llama import LlamaArgs
 from pipeline.core import UserError
@@ -91,8 +93,6 @@ def dequantize(t: RawTensor) -> torch.Tensor:
         q = _nibbles(b[..., 2:]).float().view(*d.shape[:2], BLOCK)
         return ((q - 8) * d).reshape(t.shape)
     try:  # the other ggml types (K-quants, ...): gguf-py's own de-quantizer
-        from gguf import GGMLQuantizationType
-        from gguf import dequantize as gguf_dequantize
         return torch.from_numpy(gguf_dequantize(t.data, GGMLQuantizationType[t.kind]).copy()).float().reshape(t.shape)
     except (KeyError, NotImplementedError, ValueError) as e:
         raise UserError(f"GGUF tensor type {t.kind} is not supported here ({e}): convert the file with llama.cpp's "
@@ -122,10 +122,6 @@ class GGUFFile:
     """A Llama GGUF opened with gguf-py's memory-mapped reader (nothing is de-quantized until asked)."""
 
     def __init__(self, path: Path):
-        try:
-            from gguf import GGUFReader
-        except ImportError as e:  # pragma: no cover - a dependency of the project
-            raise UserError("reading GGUF files needs the `gguf` package: pip install gguf") from e
         self.path = path
         self.reader = GGUFReader(path)
         self.fields = self.reader.fields

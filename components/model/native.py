@@ -15,6 +15,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -51,7 +52,6 @@ def _compiler() -> str:
 def key() -> str:
     """Digest of what the library depends on: the source, torch, the CPU (its model and flags; where
     /proc/cpuinfo is hidden, what platform and torch report) and the compiler."""
-    import platform
     cpu = _cpu() or f"{platform.processor()}|{platform.machine()}|{torch.backends.cpu.get_cpu_capability()}"
     parts = [SOURCE.read_text(), torch.__version__, cpu, " ".join(FLAGS), sys.version, _compiler()]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
@@ -65,7 +65,7 @@ def library() -> Path:
 def build() -> Path:
     """Compile the extension for this machine (about a minute); raises RuntimeError with the
     compiler's last lines on failure."""
-    from torch.utils.cpp_extension import include_paths, library_paths
+    from torch.utils.cpp_extension import include_paths, library_paths  # it imports setuptools: only a build needs it
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise RuntimeError("no C++ compiler found (install g++)")

@@ -19,7 +19,7 @@ class _Lazy:
     """pipeline.sweep on first use: Hydra imports this module whenever it starts an app."""
 
     def __getattr__(self, name):
-        from pipeline import sweep
+        from pipeline import sweep  # torch and the whole pipeline: not for every app Hydra starts
         return getattr(sweep, name)
 
 
@@ -45,13 +45,14 @@ except ImportError:  # the Optuna sweeper plugin is not installed: only the grid
 if OptunaSweeper is not None:
     class TreeSearchSweeper(OptunaSweeper):
         def sweep(self, arguments: list[str]) -> None:
+            # Optuna takes seconds to import: only these sweeps load it (as the Optuna plugin itself does)
+            import optuna
             from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
             impl = self.sweeper
             _, fixed = create_params_from_overrides(impl._parse_sweeper_params_config() + list(arguments))
             baseline = _sweep.baseline_job([f"{k}={v}" for k, v in fixed.items()])
             impl.launcher.launch([baseline], initial_job_idx=impl.job_idx)  # first, in the same launcher
             impl.job_idx += 1
-            import optuna
             optuna.logging.set_verbosity(optuna.logging.WARNING)  # its per-trial lines: summary.md has them
             out = super().sweep(arguments)
             impl.launcher.launch([baseline], initial_job_idx=impl.job_idx)  # and last: drift moves both

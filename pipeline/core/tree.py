@@ -8,6 +8,7 @@ cache length, and never its packed index (seed 000, "Packed tree attention").
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -170,7 +171,6 @@ def dynamic_tree(root: int, topk_ids: torch.Tensor, topk_logp: torch.Tensor, wid
     `max_nodes` drafts. topk_ids / topk_logp: (depth, k >= width) candidates per depth, best first
     (for Medusa heads a depth's candidates do not depend on the parent, so a path's score is the sum
     of its nodes' log-probabilities)."""
-    import heapq
     depth = topk_ids.shape[0]
     ids, logp = topk_ids.tolist(), topk_logp.tolist()
     tokens, parents, heap = [root], [-1], []
