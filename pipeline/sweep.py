@@ -4,7 +4,7 @@ A fair baseline: the project's sweepers (hydra_plugins/decode_sweepers) add, fir
 sweep, a plain greedy job for every context (the overrides that are not speculative settings: model, dtype,
 prompts, lengths, ...) that has a speculative job and no plain job, so `speedup` is always against
 greedy measured in the same sweep, on the same machine, precision and prompts. A job is plain when
-its composed config has no proposer and no beams (results.json `"plain"`); a hand-composed
+its composed config has no proposer and a plain runner (pipeline.build.is_plain; results.json `"plain"`); a hand-composed
 speculative run (`decode=greedy proposer=ngram verifier=greedy`) is never one.
 
 The end of a sweep: one row per job in the multirun directory's summary.csv and summary.md, and
@@ -28,7 +28,6 @@ from pathlib import Path
 import yaml
 from hydra.experimental.callback import Callback
 
-from pipeline.build import is_plain  # noqa: F401  (the sweepers' test of a job: one definition of a plain run)
 from pipeline.io import atomic_write, write_json
 from pipeline.tracking import log_sweep
 

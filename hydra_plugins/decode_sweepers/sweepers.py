@@ -33,8 +33,9 @@ class BaselineSweeper(BasicSweeper):
         return list(BasicSweeper.split_overrides_to_chunks(jobs, max_batch_size))
 
     def _plain(self, job: list[str]) -> bool:
+        from pipeline.build import is_plain  # the one definition of a plain run (it imports torch)
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(job))
-        return _sweep.is_plain(cfg)
+        return is_plain(cfg)
 
 
 try:
