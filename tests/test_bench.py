@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import PYTHON, REPO_ROOT, compose_config
+from helpers import PYTHON, REPO_ROOT, compose_config
 
 from components.model.load import convert_hf_state_dict
 from pipeline.bench import bench, markdown_table

@@ -14,7 +14,7 @@ import pipeline.cli
 from pipeline.build import build_engine, build_proposer, component
 from pipeline.core import BeamSearch, Engine
 
-from conftest import compose_config
+from helpers import compose_config
 
 CONF = pipeline.cli.CONF_DIR
 DECODING_GROUPS = {"decode", "model", "kv", "sampler", "proposer", "verifier"}

@@ -14,7 +14,7 @@ from components.kv.contiguous import ContiguousKV
 from components.proposer.eagle import EagleProposer, _Growing
 from pipeline.core import StepBatch, forward_step
 from pipeline.errors import UserError
-from tests.conftest import REPO_ROOT, compose_config
+from helpers import REPO_ROOT, compose_config
 
 TRAIN = ["model=tiny", "heads=eagle", "data.max_samples=24", "data.max_new_tokens=16", "data.gen_batch_size=12",
          "data.answers_per_batch=4", "heads.draft_vocab=null", "~logger"]

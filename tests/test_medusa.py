@@ -13,8 +13,10 @@ from components.data.datamodule import head_targets
 from components.data.self_distill import DistillSet, generate_batch
 from components.heads.medusa import MedusaHeads, build_heads, select_draft_vocab
 from components.heads.module import MedusaModule, head_weights
+from pipeline.core import Proposer
 from pipeline.errors import UserError
-from tests.conftest import PYTHON, REPO_ROOT, compose_config
+
+from helpers import PYTHON, REPO_ROOT, compose_config, decoder_for, rebuild
 
 TRAIN = ["model=tiny", "data.max_samples=24", "data.max_new_tokens=12", "data.gen_batch_size=12",
          "data.batch_size=32", "heads.draft_vocab=null", "~logger"]
@@ -254,8 +256,36 @@ def test_no_tree_pays_decodes_plainly_and_says_so(trained, tiny_backbone, tmp_pa
     assert item["accepted_lengths"] == [1] * len(item["accepted_lengths"])
 
 
+class CountsDrafts(Proposer):
+    """Another proposer's drafts, unchanged, with the number of drafted nodes of each proposal."""
+
+    def __init__(self, inner: Proposer):
+        self.inner, self.nodes = inner, []
+        self.sampled = inner.sampled
+
+    @property
+    def active(self) -> bool:
+        return self.inner.active
+
+    def start(self, seq, prompt_ids):
+        self.inner.start(seq, prompt_ids)
+
+    def propose(self, states):
+        trees = self.inner.propose(states)
+        self.nodes += [0 if t is None else t.size - 1 for t in trees]
+        return trees
+
+    def describe(self):
+        return self.inner.describe()
+
+    def observe(self, seq, tokens, hidden):
+        self.inner.observe(seq, tokens, hidden)
+
+    def release(self, seq):
+        self.inner.release(seq)
+
+
 def test_p_min_drops_unlikely_drafts_and_stays_lossless(trained, tiny_backbone, tmp_path):
-    from test_decode import decoder_for
     root, _, _ = trained
     ckpt = f"proposer.checkpoint={root / 'run' / 'heads.safetensors'}"
     prompts = [tiny_backbone.tokenizer.encode(t, add_special_tokens=False) for t in ["hello there", "a b a b a"]]
@@ -264,12 +294,10 @@ def test_p_min_drops_unlikely_drafts_and_stays_lossless(trained, tiny_backbone, 
     for p_min in (0.0, 0.3, 0.9999):
         eng = decoder_for("tree_medusa", tiny_backbone, ckpt, "proposer.tree_file=null", "tree.width=2",
                           "tree.depth=3", "tree.max_nodes=8", f"proposer.p_min={p_min}", max_new_tokens=24)
-        nodes = []
-        orig = eng.proposer.propose
-        eng.proposer.propose = lambda states: [nodes.append(0 if t is None else t.size - 1) or t
-                                                   for t in orig(states)]
-        assert [g.token_ids for g in eng.run(prompts)] == ref
-        sizes[p_min] = sum(nodes)
+        counted = CountsDrafts(eng.drafter)
+        assert [g.token_ids for g in rebuild(eng, proposer=counted).run(prompts)] == ref
+        assert counted.nodes, "the proposer was never asked for a draft"
+        sizes[p_min] = sum(counted.nodes)
     assert sizes[0.0] > sizes[0.3] >= sizes[0.9999] == 0
 
 

@@ -19,6 +19,8 @@ from components.model.load import from_pretrained
 from pipeline.bench import DEFAULT_INPUT
 from pipeline.requests import encode, load_requests
 
+from helpers import compose_config
+
 ops = native.load()
 pytestmark = pytest.mark.skipif(ops is None, reason=f"native kernels: {native.why()}")
 ROWS = (1, 2, 3, 5, 8, 16, 33, 64)
@@ -199,7 +201,6 @@ def test_tiny_native_model_batches_and_trees_equal_batch_one(dtype):
     of greedy at batch 1, and the model says it is batch-invariant."""
     from components.model.load import tiny
     from pipeline.build import build_engine
-    from conftest import compose_config
     bb = tiny(dtype=dtype)
     bb.model.optimize_for_decoding(cache=None)
     assert bb.model.native is not None and bb.batch_invariant

@@ -21,7 +21,7 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import PYTHON, REPO_ROOT, compose_config, subprocess_env
+from helpers import PYTHON, REPO_ROOT, compose_config, subprocess_env
 from pipeline.decode import decode
 from pipeline.server.app import StopText, build_server
 

@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import REPO_ROOT, compose_config
+from helpers import REPO_ROOT, compose_config
 
 from pipeline import vllm_peer
 from pipeline.bench import bench, parse_entries, vllm_speculation
