@@ -1,7 +1,8 @@
 """What the test modules share (conftest.py holds the fixtures; toy.py the scripted toy model and
 proposers): composing the project's real Hydra configs, `python -m pipeline` subprocesses, the tiny
 model's prompts and decoders, rebuilding a runner with some parts swapped, the reference greedy
-decoder, the invariants every Generation keeps, and the chi-square test of sampled counts."""
+decoder, the invariants every Generation keeps, a saved module's file against its state, and the
+chi-square test of sampled counts."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
+from safetensors.torch import load_file
 
 import pipeline.cli
 from pipeline.build import build_engine
@@ -126,6 +128,17 @@ def assert_generation_invariants(gen, max_new_tokens, eos_ids, kv=None, prompt_l
         assert gen.finish_reason in ("length", "context") and not any(t in eos_ids for t in gen.token_ids)
     if kv is not None:  # every sequence went back to the pool
         assert kv.sequences == [] and kv.stats()["bytes_in_use"] == 0
+
+
+def assert_saved_state(path: Path, module: torch.nn.Module, frozen: str, dtype: torch.dtype | None = None) -> None:
+    """The safetensors file at `path` holds `module`'s state: every entry but `frozen` (the backbone's
+    own weights, not stored), floating tensors cast to `dtype` when given."""
+    stored, state = load_file(path), module.state_dict()
+    assert set(stored) == set(state) - {frozen}, set(stored) ^ (set(state) - {frozen})
+    for k, t in stored.items():
+        want = state[k].detach()
+        want = want.to(dtype) if dtype is not None and want.is_floating_point() else want
+        assert torch.equal(t, want), k
 
 
 # ------------------------------------------------------------------------------------------------

@@ -134,7 +134,9 @@ def test_bench_in_process_with_entry_overrides(tmp_path, monkeypatch):
     assert len(objs["backbones"]) == 1  # one model config, loaded once
     assert res["pipelines"]["greedy seed=1"]["identical_to_baseline"]  # greedy ignores the seed
     assert objs["pipelines"][2].runner.num_beams == 2
-    assert (tmp_path / "bench.json").is_file()
+    written = json.loads((tmp_path / "bench.json").read_text())
+    assert res["bench_path"] == str(tmp_path / "bench.json")
+    assert written == {k: v for k, v in res.items() if k != "bench_path"}  # bench.json is what bench() returns
     assert markdown_table(res).count("\n") == 4
 
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import pipeline.build
+from components.proposer.ngram import NgramProposer
+from components.proposer.self_spec import SelfSpecProposer
 from components.verifier.greedy import GreedyVerifier
 from pipeline.build import build_engine
 from pipeline.core import DecodeState, Tree, UserError
@@ -39,7 +41,10 @@ def test_greedy_equals_cache_free_reference(tiny_variants, variant):
         assert_generation_invariants(gen, 24, bb.eos_ids, dec.kv, len(prompt))
 
 
-@pytest.mark.parametrize("preset", ["tree_ngram", "self_spec"])
+PROPOSERS = {"tree_ngram": NgramProposer, "self_spec": SelfSpecProposer}
+
+
+@pytest.mark.parametrize("preset", list(PROPOSERS))
 @pytest.mark.parametrize("variant", list(TINY_VARIANTS))
 def test_speculative_presets_equal_greedy(tiny_variants, variant, preset):
     bb = tiny_variants[variant]
@@ -49,7 +54,7 @@ def test_speculative_presets_equal_greedy(tiny_variants, variant, preset):
     # proposer match single tokens there, so its drafts are built (and rejected) all the same
     extra = ("proposer.min_ngram=1",) if preset == "tree_ngram" and variant == "untied" else ()
     spec = decoder_for(preset, bb, *extra, max_new_tokens=40)
-    assert spec.proposer is not None and isinstance(spec.verifier, GreedyVerifier)
+    assert isinstance(spec.proposer, PROPOSERS[preset]) and isinstance(spec.verifier, GreedyVerifier)
     prompts = [tok.encode(p, add_special_tokens=False) for p in TEXT_PROMPTS] + random_prompts(3, seed=2)
     tree_steps = accepted_drafts = 0
     for prompt in prompts:

@@ -118,13 +118,15 @@ def test_decoding_up_to_the_context_end_equals_plain_greedy(tiny_variants, prese
 
 
 class Failing(PerSequence):
-    def __init__(self, after: int):
-        self.after, self.calls = after, 0
+    """Drafts a fixed chain `after` times, then raises `exc` (an error, or Ctrl-C)."""
+
+    def __init__(self, after: int, exc: type[BaseException] = RuntimeError):
+        self.after, self.exc, self.calls = after, exc, 0
 
     def draft(self, state):
         self.calls += 1
         if self.calls > self.after:
-            raise RuntimeError("proposer failed")
+            raise self.exc("proposer failed")
         return Tree.from_paths(state.tokens[-1], [[1, 2, 3]])
 
 
@@ -132,14 +134,11 @@ class Failing(PerSequence):
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
 def test_a_failed_or_interrupted_run_leaks_no_block(tiny_variants, kv, exc):
     bb = tiny_variants["tied"]
-    eng = decoder_for("tree_ngram", bb, f"kv={kv}", "batch_size=3", max_new_tokens=30)
-    failing = Failing(after=7)
-    if exc is KeyboardInterrupt:
-        failing.draft = lambda state, f=failing.draft: (_ for _ in ()).throw(KeyboardInterrupt) \
-            if failing.calls >= 7 else f(state)
-    eng = rebuild(eng, proposer=failing)
-    with pytest.raises(exc):
+    failing = Failing(after=7, exc=exc)
+    eng = rebuild(decoder_for("tree_ngram", bb, f"kv={kv}", "batch_size=3", max_new_tokens=30), proposer=failing)
+    with pytest.raises(exc, match="proposer failed"):
         eng.run(mixed_prompts(bb))
+    assert failing.calls == 8
     assert eng.kv.sequences == [] and eng.kv.stats()["bytes_in_use"] == 0
 
 

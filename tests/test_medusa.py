@@ -7,16 +7,18 @@ import subprocess
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from components.data.datamodule import head_targets
 from components.data.self_distill import DistillSet, generate_batch
+from components.heads.medusa import FORMAT as MEDUSA
 from components.heads.medusa import MedusaHeads, build_heads, select_draft_vocab
 from components.heads.module import MedusaModule, head_weights
 from pipeline.core import Proposer
 from pipeline.errors import UserError
 
-from helpers import PYTHON, REPO_ROOT, compose_config, decoder_for, rebuild
+from helpers import PYTHON, REPO_ROOT, assert_saved_state, compose_config, decoder_for, rebuild
 
 TRAIN = ["model=tiny", "data.max_samples=24", "data.max_new_tokens=12", "data.gen_batch_size=12",
          "data.batch_size=32", "heads.draft_vocab=null", "~logger"]
@@ -139,16 +141,19 @@ def trained(tmp_path_factory):
 
 
 def test_training_writes_checkpoints_metrics_and_heads(trained):
-    root, metrics, _ = trained
+    root, metrics, objs = trained
     run = root / "run"
-    assert (run / "checkpoints" / "last.ckpt").is_file()
-    assert (run / "heads.safetensors").is_file() and (run / "metrics.json").is_file()
+    last = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert last["global_step"] == metrics["steps"] == 6
+    assert_saved_state(run / "heads.safetensors", objs["heads"], MEDUSA.frozen)
+    assert json.loads((run / "metrics.json").read_text()) == metrics
     for k in (1, 2, 3):
         assert f"val/head{k}_top1" in metrics and f"val/head{k}_top5" in metrics and f"val/head{k}_loss" in metrics
     csv = next((run / "csv").rglob("metrics.csv")).read_text()
     assert "train/head1_loss" in csv.splitlines()[0]
     data = next((root / "data").glob("self_distill-*"))
-    assert (data / "config.json").is_file() and json.loads((data / "manifest.json").read_text())["answers"] == 24
+    assert json.loads((data / "config.json").read_text())["max_new_tokens"] == 12  # TRAIN's data.max_new_tokens
+    assert json.loads((data / "manifest.json").read_text())["answers"] == 24
     assert [p.name for p in data.glob("part-*")] == ["part-000000-000024.safetensors"]
 
 
@@ -304,9 +309,10 @@ def test_p_min_drops_unlikely_drafts_and_stays_lossless(trained, tiny_backbone, 
 def test_export_finds_the_backbone_the_heads_were_trained_on(trained, tmp_path):
     """Heads trained on model=tiny export with no backbone given: train_config.yaml names it."""
     from pipeline.export import export
-    root, _, _ = trained
+    root, _, objs = trained
     out = export(str(root / "run" / "heads.safetensors"), str(tmp_path / "out"))
-    assert (out / "medusa_lm_head.safetensors").is_file()
+    t, D = load_file(out / "medusa_lm_head.safetensors"), objs["heads"].dim
+    assert t["0.0.linear.weight"].shape == (D, D) and t["2.1.weight"].shape[1] == D
 
 
 @pytest.mark.parametrize("fmt", ["medusa", "vllm"])
@@ -333,7 +339,9 @@ def test_ddp_two_processes_on_cpu(tmp_path):
                         "trainer.devices=2", f"data.root={tmp_path / 'data'}", f"hydra.run.dir={run}"],
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert (run / "heads.safetensors").is_file()
+    with safe_open(str(run / "heads.safetensors"), "pt") as f:
+        header = json.loads(f.metadata()[MEDUSA.key])
+    assert header["format"] == MEDUSA.name and header["metrics"]["steps"] == 3
     assert json.loads((run / "metrics.json").read_text())["steps"] == 3
 
 

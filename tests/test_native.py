@@ -174,7 +174,7 @@ def test_real_model_native_step_agrees_with_the_pure_torch_path(dtype):
     from pipeline.core import StepBatch, forward_step
     from components.kv.contiguous import ContiguousKV
     bbs = {n: from_pretrained(dtype=dtype, native=n) for n in (False, True)}
-    assert bbs[True].model.native is not None and bbs[False].model.native is None
+    assert bbs[True].model.native is ops and bbs[False].model.native is None  # the loaded kernels, or none
     tok = bbs[True].tokenizer
     prompts = [encode(tok, r, True) for r in load_requests(str(DEFAULT_INPUT), None)]
     out = {}
@@ -203,7 +203,7 @@ def test_tiny_native_model_batches_and_trees_equal_batch_one(dtype):
     from pipeline.build import build_engine
     bb = tiny(dtype=dtype)
     bb.model.optimize_for_decoding(cache=None)
-    assert bb.model.native is not None and bb.batch_invariant
+    assert bb.model.native is ops and bb.batch_invariant  # the fused kernels run its steps
     texts = ["Once upon a time, in a land far away,", "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3", "Hi"]
     prompts = [bb.tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
