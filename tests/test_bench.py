@@ -8,7 +8,6 @@ import subprocess
 
 import pytest
 import torch
-from helpers import PYTHON, REPO_ROOT, compose_config
 
 from components.model.load import convert_hf_state_dict
 from pipeline.bench import bench, markdown_table
@@ -16,6 +15,8 @@ from pipeline.build import build_engine, component
 from pipeline.core import UserError
 from pipeline.hf_peer import HFPeer, to_hf, to_hf_state_dict
 from pipeline.requests import Request, encode
+
+from helpers import PYTHON, REPO_ROOT, compose_config
 
 PROMPTS = ["hi", "Write a poem about the sea, the sea and the sea.", "Count: 1 2 3 4 5 6 7 8 9"]
 
