@@ -1,57 +1,27 @@
-"""Shared fixtures: the tiny random backbone, the real SmolLM2-135M backbone (session-scoped, so the
-slow tests load it once), and a helper that composes the project's real Hydra configs."""
+"""Shared fixtures: the tiny random backbone and its tied/untied variants, the real SmolLM2-135M
+backbone (session-scoped, so the slow tests load it once), transformers' copy of it, and the
+project's config composer (tests/helpers.py holds it and what else the modules share)."""
 from __future__ import annotations
-
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig, open_dict
 
-import pipeline.cli
+from pipeline.build import component
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-PYTHON = sys.executable
+from helpers import TINY_VARIANTS, TORCH_THREADS, compose_config
 
-# One intra-op thread unless TEST_TORCH_THREADS says otherwise. On a 2-core machine that is also
-# running anything else, torch's OpenMP pool spin-waits: a tiny-model step measured 0.7 ms with one
-# thread and 68 ms with two, a SmolLM2 step 60 ms vs 660 ms. Results do not depend on it.
-TORCH_THREADS = int(os.environ.get("TEST_TORCH_THREADS", "1"))
-torch.set_num_threads(TORCH_THREADS)
-
-
-def subprocess_env() -> dict[str, str]:
-    """Environment for `python -m pipeline ...` subprocesses: same thread policy, no colour codes."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(TORCH_THREADS))
-    env.setdefault("MKL_NUM_THREADS", str(TORCH_THREADS))
-    env.pop("HYDRA_FULL_ERROR", None)  # users see the one-line errors, not Hydra's full traces
-    return env
-
-
-def compose_config(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config",
-                   **extra) -> DictConfig:
-    """Compose conf/<config_name>.yaml with command-line style overrides, as `python -m pipeline`
-    would, then set `extra` keys under open_dict (e.g. output_dir=tmp_path, which pipeline.io.run_dir
-    reads when not inside a Hydra app). The speculation guard is off unless asked for: whether it
-    pauses drafting depends on timings, and tests pin what they draft."""
-    overrides = list(overrides)
-    if config_name in ("config", "bench") and not any(o.lstrip("~").split("=")[0] == "guard" for o in overrides):
-        overrides.append("~guard")  # tests pin whether trees are drafted, not timings
-    with initialize_config_dir(config_dir=str(pipeline.cli.CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=overrides)
-    with open_dict(cfg):
-        for k, v in extra.items():
-            cfg[k] = str(v) if isinstance(v, Path) else v
-    return cfg
+torch.set_num_threads(TORCH_THREADS)  # why one thread: see helpers.TORCH_THREADS
 
 
 @pytest.fixture(scope="session")
 def compose_cfg():
     return compose_config
+
+
+@pytest.fixture(scope="session")
+def tiny_variants():
+    """helpers.TINY_VARIANTS built: {"tied": backbone, "untied": backbone}."""
+    return {name: component(compose_config(list(ov)).model) for name, ov in TINY_VARIANTS.items()}
 
 
 @pytest.fixture(scope="session")

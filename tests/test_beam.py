@@ -14,8 +14,7 @@ from components.kv.paged import PagedKV
 from components.sampler.logits import Sampler
 from pipeline.core import BeamSearch, Engine, UserError
 
-from conftest import compose_config
-from test_decode import replace
+from helpers import compose_config, rebuild
 from toy import ScriptedModel
 
 A, B, C, D, EOS, BOS = range(6)
@@ -97,26 +96,32 @@ def test_no_block_leaks_and_shared_prompt(tiny_backbone, kv):
     assert all(len(g.beams) == 3 for g in gens)
     assert eng.kv.sequences == [] and eng.kv.stats()["bytes_in_use"] == 0
     if kv == "paged":  # one request at a time: the pool's peak is its own
-        g = replace(eng, batch_size=1).run([long])[0]
+        g = rebuild(eng, batch_size=1).run([long])[0]
         one = (len(long) + 12) * eng.kv.slot_bytes
         assert g.kv_peak_bytes <= 1.3 * one + 4 * eng.kv.block_size * eng.kv.slot_bytes
         assert g.kv_copy_per_beam_bytes > 3 * one * 0.9
 
-    calls = {"n": 0}
-    step = eng.model.step
-
-    def failing(batch, kvm, layers=None):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise RuntimeError("boom")
-        return step(batch, kvm, layers)
-    eng.model.step = failing
-    try:
-        with pytest.raises(RuntimeError, match="boom"):
-            eng.run(prompts)
-    finally:
-        eng.model.step = step
+    failing = FailsAtStep(eng.model, at=4)
+    with pytest.raises(RuntimeError, match="boom"):
+        rebuild(eng, model=failing).run(prompts)  # the same KV pool, a model whose 4th forward fails
+    assert failing.calls == 4
     assert eng.kv.sequences == [] and eng.kv.stats()["bytes_in_use"] == 0
+
+
+class FailsAtStep:
+    """A model whose `at`-th forward raises; everything else is the wrapped model's."""
+
+    def __init__(self, model, at: int):
+        self.model, self.at, self.calls = model, at, 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def step(self, batch, kv, layers=None):
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("boom")
+        return self.model.step(batch, kv, layers)
 
 
 def test_knobs_that_cannot_apply_are_one_line_errors(tiny_backbone):

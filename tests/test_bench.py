@@ -8,7 +8,6 @@ import subprocess
 
 import pytest
 import torch
-from conftest import PYTHON, REPO_ROOT, compose_config
 
 from components.model.load import convert_hf_state_dict
 from pipeline.bench import bench, markdown_table
@@ -16,6 +15,8 @@ from pipeline.build import build_engine, component
 from pipeline.core import UserError
 from pipeline.hf_peer import HFPeer, to_hf, to_hf_state_dict
 from pipeline.requests import Request, encode
+
+from helpers import PYTHON, REPO_ROOT, compose_config
 
 PROMPTS = ["hi", "Write a poem about the sea, the sea and the sea.", "Count: 1 2 3 4 5 6 7 8 9"]
 
@@ -134,7 +135,9 @@ def test_bench_in_process_with_entry_overrides(tmp_path, monkeypatch):
     assert len(objs["backbones"]) == 1  # one model config, loaded once
     assert res["pipelines"]["greedy seed=1"]["identical_to_baseline"]  # greedy ignores the seed
     assert objs["pipelines"][2].runner.num_beams == 2
-    assert (tmp_path / "bench.json").is_file()
+    written = json.loads((tmp_path / "bench.json").read_text())
+    assert res["bench_path"] == str(tmp_path / "bench.json")
+    assert written == {k: v for k, v in res.items() if k != "bench_path"}  # bench.json is what bench() returns
     assert markdown_table(res).count("\n") == 4
 
 

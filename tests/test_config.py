@@ -4,17 +4,22 @@ covered the moment it lands; a group used only by another entry point (train.yam
 trainer, logger) is composed with the primary config that lists it in its defaults."""
 from __future__ import annotations
 
+import inspect
+import typing
 from pathlib import Path
 
 import pytest
 import torch
+from hydra.utils import get_object
 from omegaconf import OmegaConf, open_dict
 
 import pipeline.cli
 from pipeline.build import build_engine, build_proposer, component
-from pipeline.core import BeamSearch, Engine
+from pipeline.core import BeamSearch, Constraint, Engine, Proposer, Verifier
+from pipeline.core.bits import words
+from pipeline.core.guard import SpeculationGuard
 
-from conftest import compose_config
+from helpers import compose_config
 
 CONF = pipeline.cli.CONF_DIR
 DECODING_GROUPS = {"decode", "model", "kv", "sampler", "proposer", "verifier"}
@@ -95,7 +100,8 @@ def instantiate_option(group, option, cfg, backbone, heads_ckpt, tmp_path):
         decoder, _ = build_engine(with_tiny_context(cfg, heads_ckpt), backbone)
         assert type(decoder) is (BeamSearch if option == "beam" else Engine)
         if decoder.drafter is not None:  # a speculative preset must be runnable as configured
-            assert decoder.verifier is not None and decoder.sampler.greedy
+            assert isinstance(decoder.drafter, Proposer) and isinstance(decoder.verifier, Verifier)
+            assert decoder.sampler.greedy
         return decoder
     if group == "runner":  # the runner under the default preset's components
         runner, _ = build_engine(with_tiny_context(cfg, heads_ckpt), backbone)
@@ -106,6 +112,7 @@ def instantiate_option(group, option, cfg, backbone, heads_ckpt, tmp_path):
         bb = component(cfg.model)
         assert bb.model.args.vocab_size >= len(bb.tokenizer)
         assert bb.eos_ids, "a backbone must know its EOS token"
+        assert all(0 <= t < bb.model.args.vocab_size for t in bb.eos_ids), bb.eos_ids
         return bb
     if group == "proposer":
         return build_proposer(with_tiny_context(cfg, heads_ckpt), backbone)
@@ -124,7 +131,10 @@ def instantiate_option(group, option, cfg, backbone, heads_ckpt, tmp_path):
         if option in example:
             cfg.constraint[example[option][0]] = example[option][1]
         obj = component(cfg.constraint, backbone)
-        assert obj.start() is not None
+        state, bits = obj.start(), torch.zeros(words(backbone.model.args.vocab_size), dtype=torch.int32)
+        assert isinstance(state, Constraint)
+        state.fill(bits)
+        assert bits.any(), f"constraint={option} allows no token at the start"
         return obj
     return component(cfg[group], backbone)
 
@@ -151,7 +161,14 @@ def test_every_option_composes_and_instantiates(group, option, tiny_backbone, ti
         if cfg[group] is not None and "_target_" not in cfg[group]:
             pytest.fail(f"conf/{group}/{option}.yaml has no _target_")
     obj = instantiate_option(group, option, cfg, tiny_backbone, tiny_heads_checkpoint, tmp_path)
-    assert obj is not None
+    made = made_by(cfg["runner" if group == "decode" else group]._target_)
+    assert isinstance(obj, made), f"{group}={option} gave a {type(obj).__name__}, not a {made.__name__}"
+
+
+def made_by(target: str) -> type:
+    """What a `_target_` makes: the class it names, or what the function it names returns."""
+    obj = get_object(target)
+    return obj if inspect.isclass(obj) else typing.get_type_hints(obj)["return"]
 
 
 def test_absent_components_are_null(tiny_backbone):
@@ -161,7 +178,8 @@ def test_absent_components_are_null(tiny_backbone):
     assert build_engine(cfg, tiny_backbone)[0].constraint is None
     full = compose_config(["model=tiny", "decode=tree_ngram", "guard=default"])
     assert full.guard._target_ == "pipeline.core.guard.SpeculationGuard"
-    assert build_engine(full, tiny_backbone)[0].guard is not None
+    guard = build_engine(full, tiny_backbone)[0].guard
+    assert isinstance(guard, SpeculationGuard) and (guard.probe, guard.decay) == (full.guard.probe, full.guard.decay)
     assert build_engine(compose_config(["model=tiny", "decode=tree_ngram", "~guard"]), tiny_backbone)[0].guard is None
     # a preset's own guard option gives way to ~guard on the command line
     assert compose_config(["model=tiny", "decode=tree_eagle", "~guard"]).get("guard") is None

@@ -25,8 +25,7 @@ from pipeline.core import Engine, Tree, UserError
 from pipeline.core.bits import allows, pack, tokens_of, unpack, words
 from pipeline.core.constrain import walk_tree
 
-from conftest import compose_config, subprocess_env
-from test_sampling_spec import chi_square_p
+from helpers import chi_square_p, compose_config, subprocess_env
 from toy import PerSequence, ScriptedModel
 
 A, B, C, D, EOS, BOS = range(6)  # the toy vocabulary
@@ -331,24 +330,19 @@ def test_fsm_from_config_uses_token_strings(tiny_backbone):
         FSM(tiny_backbone, transitions={0: {"Supercalifragilistic": 1}}, accept=[1])
 
 
-def test_add_to_prompt_puts_the_schema_in_the_prompt(tmp_path, tiny_backbone):
+def test_add_to_prompt_puts_the_schema_in_the_prompt(tmp_path, tiny_backbone, monkeypatch):
     from pipeline.decode import decode
     cfg = compose_config(["model=tiny", "constraint=json_schema", "constraint.add_to_prompt=true", "max_new_tokens=4",
                           "stream=false"], prompt="a person", output_dir=tmp_path)
     cfg.constraint.schema = json.dumps(PERSON)
     seen = []
-    from pipeline.core import Engine as E
-    orig = E.run
+    run = Engine.run
 
     def spy(self, prompts, *a, **k):
         seen.extend(prompts)
-        return orig(self, prompts, *a, **k)
-    import pipeline.core.engine as engine_mod
-    setattr(engine_mod.Engine, "run", spy)
-    try:
-        decode(cfg, tiny_backbone)
-    finally:
-        setattr(engine_mod.Engine, "run", orig)
+        return run(self, prompts, *a, **k)
+    monkeypatch.setattr(Engine, "run", spy)  # decode(cfg) builds its own engine: the prompts it is given
+    decode(cfg, tiny_backbone)
     assert any('"tags"' in tiny_backbone.tokenizer.decode(p) for p in seen)
 
 

@@ -1,84 +1,29 @@
 """The decode loop: greedy against a cache-free reference, speculative presets token-for-token equal
-to greedy, stopping inside an accepted path, results.json, input files, streaming; and on the real
-model, greedy against transformers' generate and the speculative presets against greedy."""
+to greedy, stopping inside an accepted path; decode(cfg)'s results.json, input files and run
+directory (items.jsonl, resume, names, terminal messages, checks before the model loads);
+streaming; and on the real model, greedy against transformers' generate and the speculative presets
+against greedy."""
 from __future__ import annotations
 
-import copy
 import json
 import random
 
 import pytest
 import torch
 
+import pipeline.build
+from components.proposer.ngram import NgramProposer
+from components.proposer.self_spec import SelfSpecProposer
 from components.verifier.greedy import GreedyVerifier
-from pipeline.build import build_engine, component
+from pipeline.build import build_engine
 from pipeline.core import DecodeState, Tree, UserError
 from pipeline.decode import decode
 from pipeline.requests import Request, encode
 from pipeline.streaming import TextStream
 
-from conftest import compose_config
+from helpers import (REPEAT_TEXT, TEXT_PROMPTS, TINY_VARIANTS, assert_generation_invariants, compose_config,
+                     decoder_for, random_prompts, rebuild, reference_greedy)
 from toy import PerSequence
-
-REPEAT_TEXT = ("The cat sat on the mat and looked at the door. " * 4).strip()
-TEXT_PROMPTS = [REPEAT_TEXT, "Once upon a time, in a land far away,", "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3"]
-
-# The tiny model's tied embeddings make its greedy output repeat its last token (every draft of a
-# repetition is accepted); untied, its output is a random walk (drafts from the prompt are rejected).
-# Both are used, so speculation is checked when it accepts and when it rejects.
-TINY_VARIANTS = {"tied": ("model=tiny",), "untied": ("model=tiny", "+model.tie_embeddings=false")}
-
-
-@pytest.fixture(scope="module")
-def tiny_variants():
-    return {name: component(compose_config(list(ov)).model) for name, ov in TINY_VARIANTS.items()}
-
-
-def random_prompts(n: int, seed: int, vocab: int = 49152) -> list[list[int]]:
-    rng = random.Random(seed)
-    lengths = [1, 2, 7, 19, 33][:n]
-    return [[rng.randrange(vocab) for _ in range(k)] for k in lengths]
-
-
-def decoder_for(preset: str, backbone, *overrides: str, max_new_tokens: int = 40):
-    cfg = compose_config(["model=tiny", f"decode={preset}", f"max_new_tokens={max_new_tokens}", *overrides])
-    return build_engine(cfg, backbone)[0]
-
-
-def replace(engine, **changes):
-    """A copy of an engine with some parts swapped (a proposer, a verifier, EOS ids)."""
-    out = copy.copy(engine)
-    for k, v in changes.items():
-        setattr(out, k, set(v) if k == "eos_ids" else v)
-    return out
-
-
-@torch.inference_mode()
-def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos_ids) -> list[int]:
-    """Straightforward greedy: recompute the whole sequence every step, take the argmax."""
-    seq, out = list(prompt), []
-    for _ in range(max_new_tokens):
-        logits = model.logits(model(torch.tensor([seq]), torch.arange(len(seq))[None]))[0, -1]
-        tok = int(logits.argmax())
-        out.append(tok)
-        seq.append(tok)
-        if tok in eos_ids:
-            break
-    return out
-
-
-def assert_generation_invariants(gen, max_new_tokens, eos_ids, kv=None, prompt_len=None):
-    assert sum(gen.accepted_lengths) == len(gen.token_ids)
-    assert all(a >= 1 for a in gen.accepted_lengths)
-    assert gen.steps == len(gen.accepted_lengths)
-    assert len(gen.token_ids) <= max_new_tokens
-    if gen.finish_reason == "eos":
-        assert gen.token_ids[-1] in eos_ids and not any(t in eos_ids for t in gen.token_ids[:-1])
-    else:
-        assert gen.finish_reason in ("length", "context") and not any(t in eos_ids for t in gen.token_ids)
-    if kv is not None:  # every sequence went back to the pool
-        assert kv.sequences == [] and kv.stats()["bytes_in_use"] == 0
-
 
 # ------------------------------------------------------------------------------------------------
 # greedy and the speculative presets on the tiny model
@@ -96,7 +41,10 @@ def test_greedy_equals_cache_free_reference(tiny_variants, variant):
         assert_generation_invariants(gen, 24, bb.eos_ids, dec.kv, len(prompt))
 
 
-@pytest.mark.parametrize("preset", ["tree_ngram", "self_spec"])
+PROPOSERS = {"tree_ngram": NgramProposer, "self_spec": SelfSpecProposer}
+
+
+@pytest.mark.parametrize("preset", list(PROPOSERS))
 @pytest.mark.parametrize("variant", list(TINY_VARIANTS))
 def test_speculative_presets_equal_greedy(tiny_variants, variant, preset):
     bb = tiny_variants[variant]
@@ -106,7 +54,7 @@ def test_speculative_presets_equal_greedy(tiny_variants, variant, preset):
     # proposer match single tokens there, so its drafts are built (and rejected) all the same
     extra = ("proposer.min_ngram=1",) if preset == "tree_ngram" and variant == "untied" else ()
     spec = decoder_for(preset, bb, *extra, max_new_tokens=40)
-    assert spec.proposer is not None and isinstance(spec.verifier, GreedyVerifier)
+    assert isinstance(spec.proposer, PROPOSERS[preset]) and isinstance(spec.verifier, GreedyVerifier)
     prompts = [tok.encode(p, add_special_tokens=False) for p in TEXT_PROMPTS] + random_prompts(3, seed=2)
     tree_steps = accepted_drafts = 0
     for prompt in prompts:
@@ -162,7 +110,7 @@ def test_partial_acceptance_at_every_depth(tiny_variants, variant):
     for seed, prompt in enumerate(random_prompts(3, seed=3)):
         ref = greedy.generate(prompt).token_ids
         oracle = OracleProposer(len(prompt), ref, seed=seed)
-        spec = replace(greedy, proposer=oracle, verifier=GreedyVerifier())
+        spec = rebuild(greedy, proposer=oracle, verifier=GreedyVerifier())
         gen = spec.generate(prompt)
         assert gen.token_ids == ref
         # each tree step commits exactly the correct drafts plus the bonus token, except a final
@@ -184,7 +132,7 @@ def test_max_new_tokens_inside_an_accepted_path(tiny_variants, max_new_tokens):
     ref = plain.generate(prompt)
     full = decoder_for("greedy", bb, max_new_tokens=40).generate(prompt).token_ids
     oracle = OracleProposer(len(prompt), full, depth=5, corrupt=False)
-    spec = replace(plain, proposer=oracle, verifier=GreedyVerifier())
+    spec = rebuild(plain, proposer=oracle, verifier=GreedyVerifier())
     gen = spec.generate(prompt)
     assert gen.token_ids == ref.token_ids == full[:max_new_tokens]
     assert gen.finish_reason == ref.finish_reason == "length"
@@ -200,12 +148,12 @@ def test_eos_inside_an_accepted_path(tiny_variants, eos_at):
     full = decoder_for("greedy", bb, max_new_tokens=40).generate(prompt).token_ids
     assert full[eos_at] not in full[:eos_at], "pick an index whose token is new"
     eos = [full[eos_at]]
-    plain = replace(decoder_for("greedy", bb, max_new_tokens=40), eos_ids=eos)
+    plain = rebuild(decoder_for("greedy", bb, max_new_tokens=40), eos_ids=eos)
     ref = plain.generate(prompt)
     assert ref.token_ids == full[:eos_at + 1] and ref.finish_reason == "eos"
     for depth in (3, 6, 10):
         oracle = OracleProposer(len(prompt), full, depth=depth, corrupt=False)
-        gen = replace(plain, proposer=oracle, verifier=GreedyVerifier()).generate(prompt)
+        gen = rebuild(plain, proposer=oracle, verifier=GreedyVerifier()).generate(prompt)
         assert gen.token_ids == ref.token_ids and gen.finish_reason == "eos"
         assert_generation_invariants(gen, 40, eos)
 
@@ -330,6 +278,85 @@ def test_verify_lossless_reports_no_divergence(tmp_path):
     metrics, objs = decode(cfg)
     assert metrics["lossless"] is True and metrics["diverged_requests"] == 0
     assert objs["results"]["items"][0]["lossless"] is True
+
+
+# ------------------------------------------------------------------------------------------------
+# decode(cfg): the run directory
+# ------------------------------------------------------------------------------------------------
+
+def write_input(path, n=5):
+    rows = [{"id": f"q{i}", "prompt": f"Request number {i}: say something."} for i in range(n)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return rows
+
+
+def test_items_are_appended_and_a_rerun_resumes(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    write_input(inp)
+    out = tmp_path / "run"
+    over = ["model=tiny", "decode=tree_ngram", "max_new_tokens=12", f"input={inp}", "stream=false", "batch_size=2"]
+    m1, _ = decode(compose_config(over, output_dir=out))
+    lines = (out / "items.jsonl").read_text().splitlines()
+    assert sorted(json.loads(x)["id"] for x in lines) == [f"q{i}" for i in range(5)]
+    first = json.loads((out / "results.json").read_text())
+    # drop two finished requests (as if the run had been stopped), rerun in the same directory
+    kept = [x for x in lines if json.loads(x)["id"] not in ("q1", "q3")]
+    (out / "items.jsonl").write_text("\n".join(kept) + "\n")
+    m2, _ = decode(compose_config(over, output_dir=out))
+    assert m2["resumed"] == 3 and m2["finished_now"] == 2
+    second = json.loads((out / "results.json").read_text())
+    assert [it["id"] for it in second["items"]] == [f"q{i}" for i in range(5)]
+    for a, b in zip(first["items"], second["items"]):
+        assert a["token_ids"] == b["token_ids"]
+    assert len((out / "items.jsonl").read_text().splitlines()) == 5
+
+
+@pytest.mark.parametrize("overrides,name", [(["decode=tree_ngram"], "tree_ngram"),
+                                            (["decode=tree_ngram", "tree.width=3"], "tree_ngram"),
+                                            (["decode=greedy", "proposer=ngram", "verifier=greedy"], "greedy proposer=ngram verifier=greedy"),
+                                            (["decode=greedy", "sampler=sample"], "greedy sampler=sample"),
+                                            (["decode=sample", "kv=paged"], "sample")])
+def test_hand_picked_components_are_not_reported_as_a_preset(tmp_path, overrides, name):
+    cfg = compose_config(["model=tiny", "max_new_tokens=4", "prompt=hi", "stream=false", *overrides],
+                         output_dir=tmp_path)
+    _, objs = decode(cfg)
+    assert objs["results"]["decode"] == name
+
+
+def test_context_end_and_lossless_verdict_are_said_on_the_terminal(tmp_path, capsys):
+    cfg = compose_config(["model=tiny", "decode=tree_ngram", "model.max_seq_len=80", "max_new_tokens=64",
+                          "chat=false", "stream=false", "verify_lossless=true"], output_dir=tmp_path,
+                         prompt=TEXT_PROMPTS[0])
+    _, objs = decode(cfg)
+    err = capsys.readouterr().err
+    assert objs["results"]["items"][0]["finish_reason"] == "context"
+    assert "context end" in err and "verify_lossless: all 1 requests equal plain decoding" in err
+
+
+def test_batched_streaming_prints_each_request_whole_in_order(tmp_path, capsys):
+    inp = tmp_path / "in.jsonl"
+    write_input(inp, 4)
+    cfg = compose_config(["model=tiny", "decode=greedy", "max_new_tokens=10", f"input={inp}", "batch_size=3",
+                          "stream=true"], output_dir=tmp_path)
+    _, objs = decode(cfg)
+    out = capsys.readouterr().out
+    expected = "\n".join(f"[{it['id']}] {it['text']}" for it in objs["results"]["items"]) + "\n"
+    assert out == expected
+
+
+def test_input_and_checkpoints_are_checked_before_the_model_loads(tmp_path, monkeypatch):
+    def no_model(node, backbone=None, **kw):
+        if node is not None and "model" in str(node.get("_target_", "")):
+            raise AssertionError("the model was loaded before the input was checked")
+        return real(node, backbone, **kw)
+    real = pipeline.build.component
+    monkeypatch.setattr(pipeline.build, "component", no_model)
+    cases = [(["input=/nonexistent/in.jsonl"], "/nonexistent/in.jsonl"),
+             (["decode=tree_medusa", "prompt=hi", "proposer.checkpoint=/nonexistent/h.safetensors"], "proposer.checkpoint"),
+             (["decode=tree_medusa", "prompt=hi", "proposer.tree_file=/nonexistent/tree.json"], "proposer.tree_file")]
+    for overrides, name in cases:
+        with pytest.raises(UserError, match=name):
+            decode(compose_config(["model=tiny", "stream=false", *overrides], output_dir=tmp_path))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -9,12 +9,14 @@ import json
 import pytest
 import torch
 
+from components.heads.eagle import FORMAT as EAGLE
 from components.heads.eagle import EagleDraft, build_eagle
 from components.kv.contiguous import ContiguousKV
 from components.proposer.eagle import EagleProposer, _Growing
 from pipeline.core import StepBatch, forward_step
 from pipeline.errors import UserError
-from tests.conftest import REPO_ROOT, compose_config
+
+from helpers import REPO_ROOT, assert_saved_state, compose_config
 
 TRAIN = ["model=tiny", "heads=eagle", "data.max_samples=24", "data.max_new_tokens=16", "data.gen_batch_size=12",
          "data.answers_per_batch=4", "heads.draft_vocab=null", "~logger"]
@@ -32,7 +34,8 @@ def trained(tmp_path_factory):
 
 def test_training_writes_a_draft_and_its_metrics(trained):
     path, metrics, objs = trained
-    assert path.is_file() and isinstance(objs["heads"], EagleDraft)
+    assert isinstance(objs["heads"], EagleDraft)
+    assert_saved_state(path, objs["heads"], EAGLE.frozen, torch.bfloat16)  # stored in bfloat16
     for k in ("val/feature_loss", "val/ce", "val/head1_top1", "val/head1_top5", "val/loss"):
         assert k in metrics
     assert metrics["steps"] == 8 and metrics["train_tokens"] > 0

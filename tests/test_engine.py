@@ -1,28 +1,20 @@
 """The engine over many sequences: batching and KV managers never change tokens, trees stay inside
 the budget and the context, failures leak nothing, proposers are told what was committed, logits
-processors run in the one target stage; and decode(cfg)'s run directory (items.jsonl, resume,
-names, terminal messages)."""
+processors run in the one target stage. decode(cfg)'s run directory is tests/test_decode.py's."""
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 
+import pipeline.core.engine as engine_module
+from components.kv.paged import PagedKV
 from components.sampler.logits import RepetitionPenalty
+from pipeline.build import component
 from pipeline.core import StepBatch, Tree, forward_rows, forward_step
-from pipeline.decode import decode
 
-from conftest import compose_config
-from test_decode import (TEXT_PROMPTS, TINY_VARIANTS, assert_generation_invariants, decoder_for, random_prompts,
-                         reference_greedy, replace)
+from helpers import (TEXT_PROMPTS, TINY_VARIANTS, assert_generation_invariants, compose_config, decoder_for,
+                     random_prompts, rebuild, reference_greedy)
 from toy import PerSequence
-
-
-@pytest.fixture(scope="module")
-def tiny_variants():
-    from pipeline.build import component
-    return {name: component(compose_config(list(ov)).model) for name, ov in TINY_VARIANTS.items()}
 
 
 def mixed_prompts(bb) -> list[list[int]]:
@@ -57,7 +49,6 @@ def test_one_step_packs_every_sequence_block_diagonally(tiny_backbone):
     """A step over three sequences (a tree, a plain root, a prompt block) gives each row what a
     forward of its own sequence alone gives."""
     model = tiny_backbone.model
-    from components.kv.paged import PagedKV
     kv = PagedKV(tiny_backbone, block_size=4, num_blocks=4)
     a, b, c = kv.create(), kv.create(), kv.create()
     with torch.inference_mode():
@@ -103,7 +94,6 @@ def test_decoding_up_to_the_context_end_equals_plain_greedy(tiny_variants, prese
     """max_seq_len 48, prompts of 20-47 tokens: every proposer (and an oracle whose trees always run
     past the end) stops where plain greedy does, with finish_reason "context", and no tree ever
     holds more drafts than tokens are left."""
-    from pipeline.build import component
     limit = 48
     bb = component(compose_config(["model=tiny", f"model.max_seq_len={limit}"]).model)
     text = bb.tokenizer.encode(TEXT_PROMPTS[0] * 3, add_special_tokens=False)
@@ -112,7 +102,7 @@ def test_decoding_up_to_the_context_end_equals_plain_greedy(tiny_variants, prese
     ref = [g.token_ids for g in plain.run(prompts)]
     assert all(len(p) + len(r) == limit for p, r in zip(prompts, ref))
     if preset == "oracle":
-        eng = replace(decoder_for("tree_ngram", bb, f"batch_size={batch}",
+        eng = rebuild(decoder_for("tree_ngram", bb, f"batch_size={batch}",
                                   max_new_tokens=64), proposer=GreedyOracle(prompts, ref))
     else:
         eng = decoder_for(preset, bb, f"batch_size={batch}", max_new_tokens=64)
@@ -128,13 +118,15 @@ def test_decoding_up_to_the_context_end_equals_plain_greedy(tiny_variants, prese
 
 
 class Failing(PerSequence):
-    def __init__(self, after: int):
-        self.after, self.calls = after, 0
+    """Drafts a fixed chain `after` times, then raises `exc` (an error, or Ctrl-C)."""
+
+    def __init__(self, after: int, exc: type[BaseException] = RuntimeError):
+        self.after, self.exc, self.calls = after, exc, 0
 
     def draft(self, state):
         self.calls += 1
         if self.calls > self.after:
-            raise RuntimeError("proposer failed")
+            raise self.exc("proposer failed")
         return Tree.from_paths(state.tokens[-1], [[1, 2, 3]])
 
 
@@ -142,14 +134,11 @@ class Failing(PerSequence):
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
 def test_a_failed_or_interrupted_run_leaks_no_block(tiny_variants, kv, exc):
     bb = tiny_variants["tied"]
-    eng = decoder_for("tree_ngram", bb, f"kv={kv}", "batch_size=3", max_new_tokens=30)
-    failing = Failing(after=7)
-    if exc is KeyboardInterrupt:
-        failing.draft = lambda state, f=failing.draft: (_ for _ in ()).throw(KeyboardInterrupt) \
-            if failing.calls >= 7 else f(state)
-    eng = replace(eng, proposer=failing)
-    with pytest.raises(exc):
+    failing = Failing(after=7, exc=exc)
+    eng = rebuild(decoder_for("tree_ngram", bb, f"kv={kv}", "batch_size=3", max_new_tokens=30), proposer=failing)
+    with pytest.raises(exc, match="proposer failed"):
         eng.run(mixed_prompts(bb))
+    assert failing.calls == 8
     assert eng.kv.sequences == [] and eng.kv.stats()["bytes_in_use"] == 0
 
 
@@ -158,7 +147,6 @@ def test_a_failed_or_interrupted_run_leaks_no_block(tiny_variants, kv, exc):
 def test_a_failure_while_requests_join_or_stream_leaks_no_block(tiny_variants, kv, at_call, monkeypatch):
     """Ctrl-C inside the token callback, at the first prefill (several prefill groups: small
     PREFILL_ROWS), mid-run, or at a later admission: every sequence goes back to the pool."""
-    import pipeline.core.engine as engine_module
     monkeypatch.setattr(engine_module, "PREFILL_ROWS", 20)
     bb = tiny_variants["tied"]
     eng = decoder_for("greedy", bb, f"kv={kv}", "batch_size=4", max_new_tokens=6)
@@ -198,7 +186,7 @@ class Recorder(PerSequence):
 def test_proposers_observe_every_committed_token_with_its_hidden_state(tiny_variants):
     bb = tiny_variants["tied"]
     rec = Recorder()
-    eng = replace(decoder_for("tree_ngram", bb, "batch_size=2", max_new_tokens=12), proposer=rec)
+    eng = rebuild(decoder_for("tree_ngram", bb, "batch_size=2", max_new_tokens=12), proposer=rec)
     prompts = mixed_prompts(bb)[:3]
     gens = eng.run(prompts)
     assert len(rec.done) == 3 and rec.seen == {}
@@ -216,102 +204,19 @@ def test_proposers_observe_every_committed_token_with_its_hidden_state(tiny_vari
 def test_logits_processors_run_in_the_target_stage_for_trees_too(tiny_variants):
     bb = tiny_variants["tied"]
     prompts = mixed_prompts(bb)[:4]
+    penalty = "sampler.processors=[{_target_: components.sampler.logits.RepetitionPenalty, penalty: 1.5}]"
     runs = {}
     for preset, extra in (("greedy", ()), ("tree_ngram", ("proposer.min_ngram=1",))):
-        for penalty in (None, 1.5):
-            eng = decoder_for(preset, bb, *extra, "batch_size=2", max_new_tokens=20)
-            if penalty:
-                eng.sampler.processors.append(RepetitionPenalty(penalty))
-                eng = replace(eng, target=type(eng.target)(eng.sampler.processors))
-            runs[(preset, penalty)] = [g.token_ids for g in eng.run(prompts)]
-    assert runs[("greedy", 1.5)] != runs[("greedy", None)], "the penalty changed nothing: the test checks nothing"
-    assert runs[("tree_ngram", 1.5)] == runs[("greedy", 1.5)]
-    assert runs[("tree_ngram", None)] == runs[("greedy", None)]
+        for processors in ((), (penalty,)):
+            eng = decoder_for(preset, bb, *extra, *processors, "batch_size=2", max_new_tokens=20)
+            assert [type(p) for p in eng.sampler.processors] == [RepetitionPenalty] * len(processors)
+            runs[(preset, bool(processors))] = [g.token_ids for g in eng.run(prompts)]
+    assert runs[("greedy", True)] != runs[("greedy", False)], "the penalty changed nothing: the test checks nothing"
+    assert runs[("tree_ngram", True)] == runs[("greedy", True)]
+    assert runs[("tree_ngram", False)] == runs[("greedy", False)]
 
 
 def test_processors_from_the_config(tiny_variants):
     eng = decoder_for("greedy", tiny_variants["tied"],
                       "sampler.processors=[{_target_: components.sampler.logits.RepetitionPenalty, penalty: 1.2}]")
     assert isinstance(eng.sampler.processors[0], RepetitionPenalty) and eng.target.needs_input_ids
-
-
-# ------------------------------------------------------------------------------------------------
-# decode(cfg): the run directory
-# ------------------------------------------------------------------------------------------------
-
-def write_input(path, n=5):
-    rows = [{"id": f"q{i}", "prompt": f"Request number {i}: say something."} for i in range(n)]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return rows
-
-
-def test_items_are_appended_and_a_rerun_resumes(tmp_path):
-    inp = tmp_path / "in.jsonl"
-    write_input(inp)
-    out = tmp_path / "run"
-    over = ["model=tiny", "decode=tree_ngram", "max_new_tokens=12", f"input={inp}", "stream=false", "batch_size=2"]
-    m1, _ = decode(compose_config(over, output_dir=out))
-    lines = (out / "items.jsonl").read_text().splitlines()
-    assert sorted(json.loads(x)["id"] for x in lines) == [f"q{i}" for i in range(5)]
-    first = json.loads((out / "results.json").read_text())
-    # drop two finished requests (as if the run had been stopped), rerun in the same directory
-    kept = [x for x in lines if json.loads(x)["id"] not in ("q1", "q3")]
-    (out / "items.jsonl").write_text("\n".join(kept) + "\n")
-    m2, _ = decode(compose_config(over, output_dir=out))
-    assert m2["resumed"] == 3 and m2["finished_now"] == 2
-    second = json.loads((out / "results.json").read_text())
-    assert [it["id"] for it in second["items"]] == [f"q{i}" for i in range(5)]
-    for a, b in zip(first["items"], second["items"]):
-        assert a["token_ids"] == b["token_ids"]
-    assert len((out / "items.jsonl").read_text().splitlines()) == 5
-
-
-@pytest.mark.parametrize("overrides,name", [(["decode=tree_ngram"], "tree_ngram"),
-                                            (["decode=tree_ngram", "tree.width=3"], "tree_ngram"),
-                                            (["decode=greedy", "proposer=ngram", "verifier=greedy"], "greedy proposer=ngram verifier=greedy"),
-                                            (["decode=greedy", "sampler=sample"], "greedy sampler=sample"),
-                                            (["decode=sample", "kv=paged"], "sample")])
-def test_hand_picked_components_are_not_reported_as_a_preset(tmp_path, overrides, name):
-    cfg = compose_config(["model=tiny", "max_new_tokens=4", "prompt=hi", "stream=false", *overrides],
-                         output_dir=tmp_path)
-    _, objs = decode(cfg)
-    assert objs["results"]["decode"] == name
-
-
-def test_context_end_and_lossless_verdict_are_said_on_the_terminal(tmp_path, capsys):
-    cfg = compose_config(["model=tiny", "decode=tree_ngram", "model.max_seq_len=80", "max_new_tokens=64",
-                          "chat=false", "stream=false", "verify_lossless=true"], output_dir=tmp_path,
-                         prompt=TEXT_PROMPTS[0])
-    _, objs = decode(cfg)
-    err = capsys.readouterr().err
-    assert objs["results"]["items"][0]["finish_reason"] == "context"
-    assert "context end" in err and "verify_lossless: all 1 requests equal plain decoding" in err
-
-
-def test_batched_streaming_prints_each_request_whole_in_order(tmp_path, capsys):
-    inp = tmp_path / "in.jsonl"
-    write_input(inp, 4)
-    cfg = compose_config(["model=tiny", "decode=greedy", "max_new_tokens=10", f"input={inp}", "batch_size=3",
-                          "stream=true"], output_dir=tmp_path)
-    _, objs = decode(cfg)
-    out = capsys.readouterr().out
-    expected = "\n".join(f"[{it['id']}] {it['text']}" for it in objs["results"]["items"]) + "\n"
-    assert out == expected
-
-
-def test_input_and_checkpoints_are_checked_before_the_model_loads(tmp_path, monkeypatch):
-    import pipeline.build
-    from pipeline.core import UserError
-
-    def no_model(node, backbone=None, **kw):
-        if node is not None and "model" in str(node.get("_target_", "")):
-            raise AssertionError("the model was loaded before the input was checked")
-        return real(node, backbone, **kw)
-    real = pipeline.build.component
-    monkeypatch.setattr(pipeline.build, "component", no_model)
-    cases = [(["input=/nonexistent/in.jsonl"], "/nonexistent/in.jsonl"),
-             (["decode=tree_medusa", "prompt=hi", "proposer.checkpoint=/nonexistent/h.safetensors"], "proposer.checkpoint"),
-             (["decode=tree_medusa", "prompt=hi", "proposer.tree_file=/nonexistent/tree.json"], "proposer.tree_file")]
-    for overrides, name in cases:
-        with pytest.raises(UserError, match=name):
-            decode(compose_config(["model=tiny", "stream=false", *overrides], output_dir=tmp_path))

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import pipeline.cli
-from conftest import PYTHON, REPO_ROOT, subprocess_env
+from helpers import PYTHON, REPO_ROOT, compose_config, subprocess_env
 
 LONG_PROMPT = "prompt=" + "_".join(["word"] * 40)  # far more than 16 tokens, no Hydra-special characters
 
@@ -62,7 +62,6 @@ INPUT_CASES: dict[str, tuple[list[str], list[str]]] = {
 
 def tiny_heads(base):
     """Medusa heads for model=tiny, saved as the training job saves them."""
-    from conftest import compose_config
     from components.model.load import tiny
     from pipeline.build import component
     import torch

@@ -14,6 +14,8 @@ from components.model.linear import Int4, quantize_q4
 from components.model.load import PRECISIONS, content_key, from_pretrained, smollm2_gguf, tiny
 from pipeline.core import UserError
 
+from helpers import TEXT_PROMPTS, compose_config, decoder_for
+
 
 @pytest.fixture(scope="module")
 def real_file():
@@ -122,7 +124,6 @@ def test_shipped_heads_load_in_every_precision(dtype, tmp_path):
     """decode=tree_medusa with the shipped heads in a non-float32 precision (once refused as 'trained
     on another backbone')."""
     from pipeline.build import build_engine
-    from conftest import compose_config
     bb = from_pretrained(dtype=dtype)
     assert bb.precision == dtype
     engine, _ = build_engine(compose_config(["decode=tree_medusa", f"model.dtype={dtype}", "max_new_tokens=8"]), bb)
@@ -135,8 +136,6 @@ def test_tiny_modes_decode_losslessly_and_record_their_precision(dtype, tmp_path
     """Every preset equals greedy in the same mode (tiny model, batch 1 and 3), and results.json
     says which precision ran."""
     from pipeline.decode import decode
-    from conftest import compose_config
-    from test_decode import TEXT_PROMPTS, decoder_for
     bb = tiny(dtype=dtype)
     assert bb.precision == dtype
     prompts = [bb.tokenizer.encode(t, add_special_tokens=False) for t in TEXT_PROMPTS[:3]]
@@ -156,7 +155,6 @@ def test_resume_refuses_items_of_another_precision(tmp_path):
     mix them: a one-line error names both."""
     import json as _json
     from pipeline.decode import decode
-    from conftest import compose_config
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"id": "a", "prompt": "hello"}\n{"id": "b", "prompt": "there"}\n')
     args = ["model=tiny", "decode=greedy", "max_new_tokens=3", "chat=false", "stream=false", f"input={inp}"]
@@ -188,7 +186,6 @@ def test_tiny_q4_with_the_int8_head_decodes_losslessly():
     and batches still equal greedy in the same mode."""
     from components.model.kernels import BUCKETS
     from components.model.linear import Int8Rows
-    from test_decode import TEXT_PROMPTS, decoder_for
     bb = tiny(dtype="q4")
     m = bb.model
     m.head_q8 = Int8Rows(m.lm_head.detach().t())

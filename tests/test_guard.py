@@ -6,6 +6,8 @@ import pytest
 
 from pipeline.core.guard import SpeculationGuard
 
+from helpers import compose_config, rebuild
+
 
 def run(guard: SpeculationGuard, steps: int, tree_rate: float, plain_rate: float) -> list[bool]:
     """Drive the guard with fixed rates (tokens per ms of a tree / plain step); returns its decisions."""
@@ -50,7 +52,6 @@ def test_bad_settings_fail():
 def test_engine_consults_the_guard_and_stays_lossless(tiny_backbone):
     """On the tiny model with an n-gram proposer: a guard that always pauses gives plain steps only, one
     that never pauses drafts; both give greedy's tokens, and every step is reported to it."""
-    from conftest import compose_config
 
     class Scripted(SpeculationGuard):
         def __init__(self, allow: bool):
@@ -72,7 +73,7 @@ def test_engine_consults_the_guard_and_stays_lossless(tiny_backbone):
     for allow in (False, True):
         engine, _ = build_engine(compose_config(["decode=tree_ngram", *base, "guard=default"]), tiny_backbone)
         assert isinstance(engine.guard, SpeculationGuard)
-        engine.guard = Scripted(allow)
+        engine = rebuild(engine, guard=Scripted(allow))
         gen = engine.generate(ids)
         assert gen.token_ids == ref
         calls = engine.guard.calls
@@ -156,7 +157,6 @@ def test_policy_prediction_is_within_15_percent_of_the_measured_speedup(tiny_bac
 
 def test_guard_settings_come_from_the_config(tiny_backbone):
     """`guard.*` reaches the guard (tree_eagle's preset sets its own); a bad value is a one-line error."""
-    from conftest import compose_config
     from pipeline.build import build_engine
     from pipeline.errors import UserError
     base = ["decode=tree_ngram", "model=tiny", "guard=default"]

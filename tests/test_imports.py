@@ -3,7 +3,10 @@ and no import of a project module hidden inside a function (the way a loop is us
 
 Read from the source (ast), nothing is imported: an import at module level and one inside a function
 are both edges of the graph. Importing `a.b.c` from outside package `a.b` also runs `a.b`'s
-__init__ (an edge to it too); from inside it, that package is already being imported."""
+__init__ (an edge to it too); from inside it, that package is already being imported.
+
+The test modules share code through tests/helpers.py and tests/toy.py (and fixtures through
+conftest.py): none imports another test module or conftest."""
 from __future__ import annotations
 
 import ast
@@ -116,6 +119,47 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
             if found:
                 return found
     return None
+
+
+def imported_test_modules(path: Path) -> list[str]:
+    """The test modules and conftest that a file imports, anywhere in it, each as `line: name`."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            names = [base, *(f"{base}.{a.name}" if base else a.name for a in node.names)]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "tests":
+                parts = parts[1:]
+            if parts and (parts[0] == "conftest" or parts[0].startswith("test_")):
+                out.append(f"{node.lineno}: {parts[0]}")
+    return sorted(set(out), key=lambda x: int(x.split(":")[0]))
+
+
+def test_no_test_module_imports_another_or_conftest():
+    found = {f.name: imported_test_modules(f) for f in sorted((ROOT / "tests").glob("test_*.py"))}
+    assert len(found) > 10, "the test modules were not found"
+    bad = [f"tests/{name}:{hit}" for name, hits in found.items() for hit in hits]
+    assert not bad, "share code through tests/helpers.py (fixtures through conftest.py), not by importing " \
+        "a test module or conftest:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("source, found", [
+    ("from test_decode import decoder_for\n", ["1: test_decode"]),
+    ("import json\n\ndef f():\n    from tests.conftest import REPO_ROOT\n", ["4: conftest"]),
+    ("from tests import test_beam\n", ["1: test_beam"]),
+    ("import tests.test_kv as kv\n", ["1: test_kv"]),
+    ("from helpers import compose_config\nfrom toy import PerSequence\nimport pytest\n", []),
+])
+def test_a_test_module_import_is_found(tmp_path, source, found):
+    path = tmp_path / "test_x.py"
+    path.write_text(source)
+    assert imported_test_modules(path) == found
 
 
 def test_no_import_cycle_among_project_modules():

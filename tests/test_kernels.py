@@ -19,7 +19,7 @@ from components.model import load
 from components.model.load import tiny
 from pipeline.build import build_engine
 
-from conftest import compose_config
+from helpers import compose_config
 
 PROMPTS = ["Once upon a time, in a land far away,", "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3",
            "The quick brown fox jumps over the lazy dog. The quick brown fox"]

@@ -16,7 +16,7 @@ import pipeline.cli
 from pipeline.build import component
 from pipeline.core import StepBatch, Tree, forward_rows
 
-from conftest import compose_config
+from helpers import compose_config
 
 L, NKV, HS = 2, 2, 4
 OPTIONS = pipeline.cli.groups()["kv"]

@@ -7,14 +7,18 @@ import subprocess
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from components.data.datamodule import head_targets
 from components.data.self_distill import DistillSet, generate_batch
+from components.heads.medusa import FORMAT as MEDUSA
 from components.heads.medusa import MedusaHeads, build_heads, select_draft_vocab
 from components.heads.module import MedusaModule, head_weights
+from pipeline.core import Proposer
 from pipeline.errors import UserError
-from tests.conftest import PYTHON, REPO_ROOT, compose_config
+
+from helpers import PYTHON, REPO_ROOT, assert_saved_state, compose_config, decoder_for, rebuild
 
 TRAIN = ["model=tiny", "data.max_samples=24", "data.max_new_tokens=12", "data.gen_batch_size=12",
          "data.batch_size=32", "heads.draft_vocab=null", "~logger"]
@@ -137,16 +141,19 @@ def trained(tmp_path_factory):
 
 
 def test_training_writes_checkpoints_metrics_and_heads(trained):
-    root, metrics, _ = trained
+    root, metrics, objs = trained
     run = root / "run"
-    assert (run / "checkpoints" / "last.ckpt").is_file()
-    assert (run / "heads.safetensors").is_file() and (run / "metrics.json").is_file()
+    last = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert last["global_step"] == metrics["steps"] == 6
+    assert_saved_state(run / "heads.safetensors", objs["heads"], MEDUSA.frozen)
+    assert json.loads((run / "metrics.json").read_text()) == metrics
     for k in (1, 2, 3):
         assert f"val/head{k}_top1" in metrics and f"val/head{k}_top5" in metrics and f"val/head{k}_loss" in metrics
     csv = next((run / "csv").rglob("metrics.csv")).read_text()
     assert "train/head1_loss" in csv.splitlines()[0]
     data = next((root / "data").glob("self_distill-*"))
-    assert (data / "config.json").is_file() and json.loads((data / "manifest.json").read_text())["answers"] == 24
+    assert json.loads((data / "config.json").read_text())["max_new_tokens"] == 12  # TRAIN's data.max_new_tokens
+    assert json.loads((data / "manifest.json").read_text())["answers"] == 24
     assert [p.name for p in data.glob("part-*")] == ["part-000000-000024.safetensors"]
 
 
@@ -254,8 +261,36 @@ def test_no_tree_pays_decodes_plainly_and_says_so(trained, tiny_backbone, tmp_pa
     assert item["accepted_lengths"] == [1] * len(item["accepted_lengths"])
 
 
+class CountsDrafts(Proposer):
+    """Another proposer's drafts, unchanged, with the number of drafted nodes of each proposal."""
+
+    def __init__(self, inner: Proposer):
+        self.inner, self.nodes = inner, []
+        self.sampled = inner.sampled
+
+    @property
+    def active(self) -> bool:
+        return self.inner.active
+
+    def start(self, seq, prompt_ids):
+        self.inner.start(seq, prompt_ids)
+
+    def propose(self, states):
+        trees = self.inner.propose(states)
+        self.nodes += [0 if t is None else t.size - 1 for t in trees]
+        return trees
+
+    def describe(self):
+        return self.inner.describe()
+
+    def observe(self, seq, tokens, hidden):
+        self.inner.observe(seq, tokens, hidden)
+
+    def release(self, seq):
+        self.inner.release(seq)
+
+
 def test_p_min_drops_unlikely_drafts_and_stays_lossless(trained, tiny_backbone, tmp_path):
-    from test_decode import decoder_for
     root, _, _ = trained
     ckpt = f"proposer.checkpoint={root / 'run' / 'heads.safetensors'}"
     prompts = [tiny_backbone.tokenizer.encode(t, add_special_tokens=False) for t in ["hello there", "a b a b a"]]
@@ -264,21 +299,20 @@ def test_p_min_drops_unlikely_drafts_and_stays_lossless(trained, tiny_backbone, 
     for p_min in (0.0, 0.3, 0.9999):
         eng = decoder_for("tree_medusa", tiny_backbone, ckpt, "proposer.tree_file=null", "tree.width=2",
                           "tree.depth=3", "tree.max_nodes=8", f"proposer.p_min={p_min}", max_new_tokens=24)
-        nodes = []
-        orig = eng.proposer.propose
-        eng.proposer.propose = lambda states: [nodes.append(0 if t is None else t.size - 1) or t
-                                                   for t in orig(states)]
-        assert [g.token_ids for g in eng.run(prompts)] == ref
-        sizes[p_min] = sum(nodes)
+        counted = CountsDrafts(eng.drafter)
+        assert [g.token_ids for g in rebuild(eng, proposer=counted).run(prompts)] == ref
+        assert counted.nodes, "the proposer was never asked for a draft"
+        sizes[p_min] = sum(counted.nodes)
     assert sizes[0.0] > sizes[0.3] >= sizes[0.9999] == 0
 
 
 def test_export_finds_the_backbone_the_heads_were_trained_on(trained, tmp_path):
     """Heads trained on model=tiny export with no backbone given: train_config.yaml names it."""
     from pipeline.export import export
-    root, _, _ = trained
+    root, _, objs = trained
     out = export(str(root / "run" / "heads.safetensors"), str(tmp_path / "out"))
-    assert (out / "medusa_lm_head.safetensors").is_file()
+    t, D = load_file(out / "medusa_lm_head.safetensors"), objs["heads"].dim
+    assert t["0.0.linear.weight"].shape == (D, D) and t["2.1.weight"].shape[1] == D
 
 
 @pytest.mark.parametrize("fmt", ["medusa", "vllm"])
@@ -305,7 +339,9 @@ def test_ddp_two_processes_on_cpu(tmp_path):
                         "trainer.devices=2", f"data.root={tmp_path / 'data'}", f"hydra.run.dir={run}"],
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert (run / "heads.safetensors").is_file()
+    with safe_open(str(run / "heads.safetensors"), "pt") as f:
+        header = json.loads(f.metadata()[MEDUSA.key])
+    assert header["format"] == MEDUSA.name and header["metrics"]["steps"] == 3
     assert json.loads((run / "metrics.json").read_text())["steps"] == 3
 
 

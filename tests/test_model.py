@@ -5,9 +5,11 @@ support, on a Hugging Face folder loaded through `from_pretrained(path=...)`, an
 from __future__ import annotations
 
 import inspect
+import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from components.kv.contiguous import ContiguousKV
@@ -158,7 +160,10 @@ def test_hf_folder_loads_through_from_pretrained(tmp_path, tiny_backbone, tied):
     kwargs = {"safe_serialization": True} if "safe_serialization" in inspect.signature(hf.save_pretrained).parameters else {}
     hf.save_pretrained(tmp_path, **kwargs)
     tok.save_pretrained(tmp_path)
-    assert list(tmp_path.glob("*.safetensors")) and (tmp_path / "config.json").is_file()
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["vocab_size"] == len(tok) and saved.get("tie_word_embeddings", False) == tied
+    weights = {k: v for f in tmp_path.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert torch.equal(weights["model.embed_tokens.weight"], hf.model.embed_tokens.weight.detach())
 
     bb = from_pretrained(path=str(tmp_path), name="folder")
     assert bb.model.args.tie_embeddings == tied

@@ -19,6 +19,8 @@ from components.model.load import from_pretrained
 from pipeline.bench import DEFAULT_INPUT
 from pipeline.requests import encode, load_requests
 
+from helpers import compose_config
+
 ops = native.load()
 pytestmark = pytest.mark.skipif(ops is None, reason=f"native kernels: {native.why()}")
 ROWS = (1, 2, 3, 5, 8, 16, 33, 64)
@@ -172,7 +174,7 @@ def test_real_model_native_step_agrees_with_the_pure_torch_path(dtype):
     from pipeline.core import StepBatch, forward_step
     from components.kv.contiguous import ContiguousKV
     bbs = {n: from_pretrained(dtype=dtype, native=n) for n in (False, True)}
-    assert bbs[True].model.native is not None and bbs[False].model.native is None
+    assert bbs[True].model.native is ops and bbs[False].model.native is None  # the loaded kernels, or none
     tok = bbs[True].tokenizer
     prompts = [encode(tok, r, True) for r in load_requests(str(DEFAULT_INPUT), None)]
     out = {}
@@ -199,10 +201,9 @@ def test_tiny_native_model_batches_and_trees_equal_batch_one(dtype):
     of greedy at batch 1, and the model says it is batch-invariant."""
     from components.model.load import tiny
     from pipeline.build import build_engine
-    from conftest import compose_config
     bb = tiny(dtype=dtype)
     bb.model.optimize_for_decoding(cache=None)
-    assert bb.model.native is not None and bb.batch_invariant
+    assert bb.model.native is ops and bb.batch_invariant  # the fused kernels run its steps
     texts = ["Once upon a time, in a land far away,", "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3", "Hi"]
     prompts = [bb.tokenizer.encode(t, add_special_tokens=False) for t in texts]
 

@@ -15,7 +15,7 @@ from pipeline.bench import DEFAULT_INPUT
 from pipeline.build import build_engine
 from pipeline.requests import encode, load_requests
 
-from conftest import compose_config
+from helpers import compose_config
 
 RUNS = [("float32", "greedy", "paged", 8), ("float32", "tree_ngram", "contiguous", 1),
         ("float32", "tree_ngram", "paged", 8), ("float32", "tree_medusa", "paged", 1),

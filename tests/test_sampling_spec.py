@@ -16,8 +16,7 @@ from components.verifier.exact import ExactVerifier
 from components.verifier.typical import TypicalVerifier
 from pipeline.core import Accepted, Target, Tree
 
-from conftest import compose_config
-from test_decode import decoder_for, replace
+from helpers import chi_square_p, compose_config, decoder_for, rebuild
 from toy import PerSequence
 
 V = 4  # vocabulary of the synthetic target and draft
@@ -88,21 +87,6 @@ def simulate(model: Synthetic, verifier, n_tokens: int, draws: int, sampled: boo
 def tv(counts: Counter, truth: dict[tuple, float]) -> float:
     n = sum(counts.values())
     return 0.5 * sum(abs(counts.get(k, 0) / n - v) for k, v in truth.items())
-
-
-def chi_square_p(counts: Counter, truth: dict[tuple, float]) -> float:
-    """Pearson's chi-square test of the counts against the truth: the p-value. Outcomes expected
-    fewer than 5 times are pooled into one cell (the test's approximation needs it)."""
-    n = sum(counts.values())
-    if any(k not in truth for k in counts):
-        return 0.0  # an outcome plain sampling never produces
-    big = [k for k, v in truth.items() if n * v >= 5]
-    cells = [(counts.get(k, 0), n * truth[k]) for k in big]
-    rest = [k for k in truth if k not in big]
-    if rest:
-        cells.append((sum(counts.get(k, 0) for k in rest), n * sum(truth[k] for k in rest)))
-    stat = sum((o - e) ** 2 / e for o, e in cells if e > 0)
-    return float(torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2), torch.tensor(stat / 2)))
 
 
 class WrongVerifier(ExactVerifier):
@@ -220,7 +204,7 @@ def test_exact_speculative_sampling_through_the_engine(tiny_backbone, knobs):
     through a wrong verifier fails. Seeded: batch 1 and batch 64 give the same tokens."""
     bb = tiny_backbone
     prompt = bb.tokenizer.encode("a b a b a b a b a", add_special_tokens=False)
-    eng = replace(decoder_for("tree_ngram", bb, "sampler=sample", *knobs, "verifier=exact", "batch_size=64",
+    eng = rebuild(decoder_for("tree_ngram", bb, "sampler=sample", *knobs, "verifier=exact", "batch_size=64",
                               max_new_tokens=3), proposer=RepeatProposer())
     truth = tiny_truth(bb, prompt, eng.sampler, 3)
     gens = eng.run([prompt] * 4000)
@@ -228,9 +212,9 @@ def test_exact_speculative_sampling_through_the_engine(tiny_backbone, knobs):
     accepted = sum(len(g.token_ids) - g.steps for g in gens)
     assert 200 < accepted < 4000, "the drafts should be accepted sometimes, not always"
     assert chi_square_p(counts, truth) > 1e-3, (counts, truth)
-    wrong = replace(eng, verifier=GreedyAcceptance())
+    wrong = rebuild(eng, verifier=GreedyAcceptance())
     counts = Counter(tuple(g.token_ids[:3]) for g in wrong.run([prompt] * 2000))
     assert chi_square_p(counts, truth) < 1e-6
-    one = replace(eng, batch_size=1).run([prompt] * 30, seeds=list(range(30)))
+    one = rebuild(eng, batch_size=1).run([prompt] * 30, seeds=list(range(30)))
     many = eng.run([prompt] * 30, seeds=list(range(30)))
     assert [g.token_ids for g in one] == [g.token_ids for g in many]

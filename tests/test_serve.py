@@ -21,9 +21,10 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import PYTHON, REPO_ROOT, compose_config, subprocess_env
 from pipeline.decode import decode
 from pipeline.server.app import StopText, build_server
+
+from helpers import PYTHON, REPO_ROOT, compose_config, subprocess_env
 
 PROMPTS = ["Tell me about the sea.", "Once upon a time, in a land far away,", "1, 2, 3, 4, 5, 1, 2, 3",
            "Why is the sky blue?"]

@@ -11,10 +11,11 @@ import subprocess
 import pytest
 import torch
 import yaml
-from conftest import PYTHON, REPO_ROOT, subprocess_env
 
 from pipeline.sweep import load_jobs, rows, write_summary
 from pipeline.tracking import log_sweep
+
+from helpers import PYTHON, REPO_ROOT, subprocess_env
 
 PNG = b"\x89PNG"
 

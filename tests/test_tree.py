@@ -15,6 +15,8 @@ from components.model.load import tiny
 from components.verifier.greedy import GreedyVerifier
 from pipeline.core import StaticTree, StepBatch, Target, Tree, forward_rows
 
+from helpers import compose_config
+
 # ---------------------------------------------------------------------------------------------
 # (a) the seed experiment: packed attention with an ancestry mask == per-branch reference
 # ---------------------------------------------------------------------------------------------
@@ -353,7 +355,6 @@ def test_tree_costs_are_measured_at_the_runs_batch_size(tiny_backbone):
     """nodes=auto sizes trees on the cost of a step of batch_size trees: the proposers get the run's
     batch size from the config, and a batched step with drafts costs at least the batched plain one."""
     from components.proposer.policy import step_costs
-    from conftest import compose_config
     for preset in ("tree_eagle", "tree_medusa"):
         assert compose_config([f"decode={preset}", "batch_size=4"]).proposer.batch_size == 4
     assert compose_config(["decode=tree_eagle"]).proposer.batch_size == 1

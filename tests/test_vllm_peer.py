@@ -8,11 +8,12 @@ import sys
 import textwrap
 
 import pytest
-from conftest import REPO_ROOT, compose_config
 
 from pipeline import vllm_peer
 from pipeline.bench import bench, parse_entries, vllm_speculation
 from pipeline.core import UserError
+
+from helpers import REPO_ROOT, compose_config
 
 # Answers every request with its prompt's last three tokens, reversed, then the first stop id, within
 # max_new_tokens; one step per token. Writes what it was given to $FAKE_VLLM_RECORD; dies before
@@ -126,8 +127,11 @@ def test_bench_runs_the_peer(tmp_path, fake_vllm):
     v = json.loads((tmp_path / "bench.json").read_text())["pipelines"]["vllm speculative=ngram num_speculative_tokens=2"]
     assert v["measured"] == vllm_peer.MEASURED and v["precision"] == "bfloat16 (vLLM)" and v["startup_s"] == 1.5
     assert v["speculative_config"]["num_speculative_tokens"] == 2 and v["batch_size"] == 2
-    assert (tmp_path / "vllm_model" / "config.json").is_file()
-    assert (tmp_path / "vllm_speculative=ngram_num_speculative_tokens=2.log").is_file()
+    args = objs["backbones"][0].model.args
+    hf = json.loads((tmp_path / "vllm_model" / "config.json").read_text())  # the weights vLLM was given
+    assert (hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]) == (args.dim, args.n_layers, args.vocab_size)
+    # the worker's stderr goes to the entry's log: the fake one says nothing when it starts
+    assert (tmp_path / "vllm_speculative=ngram_num_speculative_tokens=2.log").read_text() == ""
     rec = json.loads(fake_vllm.read_text())  # written when the bench closed the peer
     assert rec["settings"]["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2,
                                                      "prompt_lookup_max": 4}
