@@ -222,7 +222,7 @@ def test_logits_processors_run_in_the_target_stage_for_trees_too(tiny_variants):
             eng = decoder_for(preset, bb, *extra, "batch_size=2", max_new_tokens=20)
             if penalty:
                 eng.sampler.processors.append(RepetitionPenalty(penalty))
-                eng = replace(eng, target=type(eng.target)(eng.sampler.processors))
+                eng = replace(eng, target=type(eng.target)(eng.sampler.processors, greedy=eng.sampler.greedy))
             runs[(preset, penalty)] = [g.token_ids for g in eng.run(prompts)]
     assert runs[("greedy", 1.5)] != runs[("greedy", None)], "the penalty changed nothing: the test checks nothing"
     assert runs[("tree_ngram", 1.5)] == runs[("greedy", 1.5)]
