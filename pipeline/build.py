@@ -142,10 +142,23 @@ def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -
                  constraint=component(constraint_node(cfg), backbone) if with_constraint else None)
     if cls.speculates:
         proposer = build_proposer(cfg, backbone)
-        parts.update(proposer=proposer, verifier=component(cfg.get("verifier"), backbone),
+        verifier = component(cfg.get("verifier"), backbone)
+        parts.update(proposer=proposer, verifier=verifier,
                      guard=speculation_guard(cfg) if proposer is not None else None,
                      record_trees=bool(cfg.get("record_trees", False)))
+        if proposer is not None and verifier is not None:
+            parts.update(request_verifiers(verifier, backbone))
     return instantiate(cfg.runner)(**parts), backbone
+
+
+def request_verifiers(verifier, backbone) -> dict:
+    """The verifiers of requests whose own knobs are of the other kind than the preset's: the
+    configured verifier verifies its kind (greedy, or sampled where it `samples`), conf/verifier's
+    `greedy` and `exact` options the other."""
+    nodes = option_nodes("verifier")
+    if verifier.samples:
+        return {"greedy_verifier": component(nodes["greedy"], backbone), "sampling_verifier": verifier}
+    return {"greedy_verifier": verifier, "sampling_verifier": component(nodes["exact"], backbone)}
 
 
 def speculation_guard(cfg: DictConfig) -> SpeculationGuard | None:

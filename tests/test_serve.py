@@ -1,7 +1,8 @@
 """The OpenAI-compatible server (`python -m pipeline.serve`) on the tiny model, through the official
 `openai` client against a live uvicorn server on 127.0.0.1: greedy answers, streamed or whole, are
 the tokens `decode()` gives for the same prompts (presets greedy and tree_ngram); 32 concurrent
-streams each equal their batch-1 decode; a client that disconnects is aborted and the KV pool
+streams, half of them sampled, each equal their batch-1 decode; a seeded sampled request equals the
+CLI's sampler with its knobs and seed; a client that disconnects is aborted and the KV pool
 empties; bad requests get 4xx errors while a good one completes; the queue limit answers 429; a
 failing step answers 500 and the server goes on; stop strings; JSON-schema output validates;
 SIGTERM drains (a subprocess)."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import re
 import signal
@@ -36,7 +38,7 @@ SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}},
 @contextlib.contextmanager
 def live_server(*overrides: str):
     """A server on a free port of 127.0.0.1, run on a thread of this process."""
-    cfg = compose_config(["model=tiny", "port=0", "speculation_guard=false", *overrides], config_name="serve")
+    cfg = compose_config(["model=tiny", "port=0", "~guard", *overrides], config_name="serve")
     server = build_server(cfg)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -56,12 +58,16 @@ def client(url: str, cls=openai.OpenAI):
     return cls(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
-def reference(preset: str, prompts: list[str], tmp_path, chat: bool = True, max_new_tokens: int = MAX_TOKENS):
-    """decode()'s tokens for each prompt at batch 1 (what `python -m pipeline` gives)."""
-    path = tmp_path / f"{preset}-{chat}.jsonl"
+def reference(preset: str, prompts: list[str], tmp_path, chat: bool = True, max_new_tokens: int = MAX_TOKENS,
+              *overrides: str):
+    """decode()'s tokens for each prompt at batch 1 (what `python -m pipeline` gives; request k is
+    seeded seed + k)."""
+    tag = "-".join([preset, str(chat), *overrides, hashlib.md5(json.dumps(prompts).encode()).hexdigest()[:8]])
+    tag = tag.replace("=", "_")
+    path = tmp_path / f"{tag}.jsonl"
     path.write_text("".join(json.dumps({"id": f"r{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
     cfg = compose_config(["model=tiny", f"decode={preset}", f"max_new_tokens={max_new_tokens}", f"input={path}",
-                          "stream=false", f"chat={str(chat).lower()}"], output_dir=tmp_path / f"run-{preset}-{chat}")
+                          "stream=false", f"chat={str(chat).lower()}", *overrides], output_dir=tmp_path / f"run-{tag}")
     _, objects = decode(cfg)
     return [it["token_ids"] for it in objects["results"]["items"]]
 
@@ -143,18 +149,29 @@ def test_models_health_and_usage_chunk(greedy):
     assert all(ch.usage is None for ch in chunks[:-1])
 
 
+HOT = {"temperature": 1.5, "top_k": 3}  # sampling knobs the tiny model's answers vary under
+HOT_CLI = ("sampler.temperature=1.5", "sampler.top_k=3")
+
+
 def test_32_concurrent_streams_each_equal_batch_1(greedy, tmp_path):
-    """32 streams at once, each with its own max_tokens, on a batch of 8 (the rest queue): every one
-    completes with exactly its batch-1 tokens, in order."""
+    """32 streams at once, each with its own max_tokens, on a batch of 8 (the rest queue), every
+    other one sampled with its own seed: every one completes with exactly its batch-1 tokens (the
+    greedy ones decode=greedy's, the sampled ones decode=sample's with their knobs), in order."""
     server, url = greedy
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} ({i})" for i in range(32)]
     budgets = [4 + (7 * i) % 29 for i in range(32)]
-    ref = reference("greedy", prompts, tmp_path, max_new_tokens=max(budgets))
+    greedy_ref = reference("greedy", prompts[0::2], tmp_path, True, max(budgets))
+    sampled_ref = reference("sample", prompts[1::2], tmp_path, True, max(budgets), *HOT_CLI)  # seeds 0, 1, ...
+    ref = [r for pair in zip(greedy_ref, sampled_ref) for r in pair]
+    assert any(a != b for a, b in zip(sampled_ref, reference("greedy", prompts[1::2], tmp_path, True, max(budgets)))), \
+        "sampling changed nothing: the sampled half checks nothing"
 
-    async def one(c, p, n):
+    async def one(c, i, p, n):
         ids, text = [], ""
+        knobs = {} if i % 2 == 0 else {**HOT, "seed": i // 2}
         stream = await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
-                                                 max_tokens=n, stream=True, extra_body={"return_token_ids": True})
+                                                 max_tokens=n, stream=True,
+                                                 extra_body={"return_token_ids": True, **knobs})
         async for ch in stream:
             ids += ch.choices[0].token_ids
             text += ch.choices[0].delta.content or ""
@@ -162,7 +179,7 @@ def test_32_concurrent_streams_each_equal_batch_1(greedy, tmp_path):
 
     async def all_of():
         async with client(url, openai.AsyncOpenAI) as c:
-            return await asyncio.gather(*(one(c, p, n) for p, n in zip(prompts, budgets)))
+            return await asyncio.gather(*(one(c, i, p, n) for i, (p, n) in enumerate(zip(prompts, budgets))))
 
     tok = server.service.tokenizer
     for (ids, text), want, n in zip(asyncio.run(all_of()), ref, budgets):
@@ -192,7 +209,8 @@ BAD = [  # (body or raw bytes, the field the error names)
     ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, "model"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, "max_tokens"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 0.7}, "temperature"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 1.5}, "top_p"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_k": -2}, "top_k"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
@@ -224,6 +242,27 @@ def test_bad_requests_get_4xx_while_a_good_one_completes(greedy, tmp_path):
         assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error"
     t.join(60)
     assert out["answer"][0] == want and out["answer"][2] == "length"
+
+
+def test_a_seeded_sampled_request_equals_the_cli_with_its_knobs(greedy, tmp_path):
+    """On the greedy preset's server, a request with its own temperature / top_p / top_k and seed
+    gives the tokens of `python -m pipeline decode=sample` with those sampler knobs and that seed,
+    whole or streamed, chat or completion; another seed gives other tokens."""
+    _, url = greedy
+    c, knobs = client(url), {"temperature": 1.5, "top_k": 3, "top_p": 0.95}
+    cli = (*HOT_CLI, "sampler.top_p=0.95", "seed=7")
+    want_chat = reference("sample", [PROMPTS[2]], tmp_path, True, MAX_TOKENS, *cli)[0]
+    want_raw = reference("sample", [PROMPTS[2]], tmp_path, False, MAX_TOKENS, *cli)[0]
+    body = {"return_token_ids": True, "top_k": 3}
+    msgs = [{"role": "user", "content": PROMPTS[2]}]
+    args = dict(model="tiny", max_tokens=MAX_TOKENS, temperature=1.5, top_p=0.95, seed=7, extra_body=body)
+    assert c.chat.completions.create(messages=msgs, **args).choices[0].token_ids == want_chat
+    assert stream_tokens(c.chat.completions.create(messages=msgs, stream=True, **args))[0] == want_chat
+    assert c.completions.create(prompt=PROMPTS[2], **args).choices[0].token_ids == want_raw
+    others = {tuple(c.chat.completions.create(messages=msgs, **{**args, "seed": s}).choices[0].token_ids)
+              for s in (8, 9, 10)}
+    assert others - {tuple(want_chat)}, f"seeds 7-10 all gave the same tokens with {knobs}: the seed checks nothing"
+    assert wait_for(lambda: metric(url, "pipeline_kv_sequences") == 0)
 
 
 def test_stop_strings_cut_the_text_and_leave_the_engine(greedy, tmp_path):

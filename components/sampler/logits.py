@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.core import Sampler as SamplerBase
-from pipeline.core import Target, TargetStage
+from pipeline.core import SamplingParams, Target, TargetStage
 
 
 class Temperature:
@@ -80,25 +80,38 @@ class RepetitionPenalty:
 class Sampler(SamplerBase):
     """Greedy (`do_sample=false`: the argmax of the processed scores) or multinomial sampling from
     them, each row with its request's own generator. `processors`: extra logits processors
-    (instantiated from `sampler.processors` in the config), applied before temperature, top-k, top-p."""
+    (instantiated from `sampler.processors` in the config), applied before temperature, top-k, top-p.
+    A request with its own knobs (`SamplingParams`) goes through the same extra processors (`shared`)
+    and then its own temperature, top-k and top-p (`warpers`)."""
 
     def __init__(self, do_sample: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  processors: list | None = None):
         self.do_sample = bool(do_sample)
-        self.processors = list(processors or [])
-        for proc in self.processors:
+        self.shared = list(processors or [])
+        for proc in self.shared:
             if not callable(proc):
                 raise ValueError(f"`sampler.processors` entries must be logits processors (a _target_), got {proc!r}")
+        own = []
         if temperature != 1.0 or not isinstance(temperature, (int, float)):
-            self.processors.append(Temperature(temperature))
+            own.append(Temperature(temperature))
         if top_k != 0:
-            self.processors.append(TopK(top_k))
+            own.append(TopK(top_k))
         if top_p != 1.0:
-            self.processors.append(TopP(top_p))
+            own.append(TopP(top_p))
+        self.processors = self.shared + own
+        self.params = SamplingParams(float(temperature) if self.do_sample else 0.0, float(top_p), top_k)
 
     @property
     def greedy(self) -> bool:
         return not self.do_sample
+
+    def warpers(self, params: SamplingParams) -> list:
+        """Temperature, top-k and top-p of a request's own knobs, each where it is not neutral (none
+        for a greedy request: they never change the argmax)."""
+        if params.greedy:
+            return []
+        return ([Temperature(params.temperature)] if params.temperature != 1.0 else []) + \
+            ([TopK(params.top_k)] if params.top_k else []) + ([TopP(params.top_p)] if params.top_p != 1.0 else [])
 
     def probs(self, scores: torch.Tensor) -> torch.Tensor:
         """(R, V) raw scores -> the processed distribution (no per-row context)."""
@@ -106,10 +119,14 @@ class Sampler(SamplerBase):
 
     def __call__(self, scores: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """(R, V) raw scores -> (R,) tokens, every row drawn with `generator`."""
-        return torch.tensor(self.choose(TargetStage(self.processors)(scores), [generator] * scores.shape[0]))
+        return torch.tensor(self.choose(TargetStage(self.processors, greedy=self.greedy)(scores),
+                                        [generator] * scores.shape[0]))
 
     def choose(self, p: Target, generators) -> list[int]:
-        if not self.do_sample:
+        """One token per row: the argmax where the target says the row is greedy (`Target.greedy`),
+        else a draw from p with the row's generator."""
+        if p.greedy is True:
             return p.argmax
-        return [int(torch.multinomial(p.probs[r].cpu(), 1, generator=g))  # drawn on the host: CPU generators
-                for r, g in enumerate(generators)]
+        greedy = p.greedy if isinstance(p.greedy, list) else [False] * len(p)
+        return [p.argmax[r] if greedy[r] else int(torch.multinomial(p.probs[r].cpu(), 1, generator=g))
+                for r, g in enumerate(generators)]  # drawn on the host: CPU generators

@@ -8,10 +8,10 @@ from pipeline.core.types import Accepted, DecodeState, Generation, KVPlan, StepB
 from pipeline.core.target import Target, TargetStage
 from pipeline.core.protocols import Constraint, Grammar, KVManager, LogitsProcessor, Proposer, Sampler, Verifier
 from pipeline.core.chat import encode_chat
-from pipeline.core.runner import Request, Runner
+from pipeline.core.runner import Request, Runner, SamplingParams
 from pipeline.core.engine import Engine, forward_rows, forward_step
 from pipeline.core.beam import BeamSearch
 
 __all__ = ["Accepted", "BeamSearch", "Constraint", "DecodeState", "Engine", "Generation", "Grammar", "KVManager", "KVPlan", "LogitsProcessor",
-           "Proposer", "Request", "Runner", "Sampler", "StaticTree", "StepBatch", "Target", "TargetStage", "Tree", "UserError",
+           "Proposer", "Request", "Runner", "Sampler", "SamplingParams", "StaticTree", "StepBatch", "Target", "TargetStage", "Tree", "UserError",
            "Verifier", "append_jsonl", "atomic_write", "dynamic_tree", "encode_chat", "forward_rows", "forward_step", "positive_int", "write_json"]

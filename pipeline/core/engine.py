@@ -10,6 +10,17 @@ The root of a sequence is its newest token, already chosen and streamed, whose k
 cached yet; a step with no draft is exactly a plain decode step, and every step commits
 accept_length + 1 tokens per target forward. Constrained requests are handled by one object,
 `StepConstraints` (pipeline/core/masks.py): prune the drafts, start the masks, wait for them, advance.
+
+A request may bring its own sampling knobs (`Request.sampling`). Its rows go through the sampler's
+shared processors with every other row, then through its own temperature / top-k / top-p (one row
+group per distinct knobs, `pipeline.core.target.RowGroup`); temperature 0 is greedy. Its trees are
+verified by the verifier of its kind: `greedy_verifier` for a greedy request, `sampling_verifier`
+for a sampled one (the build passes the configured verifier as the one of its kind and
+`verifier=greedy` / `verifier=exact` as the other). Every proposer here drafts deterministically
+(q one-hot, `Tree.q` None), which exact verification takes for any p, and a sampled proposer carries
+its q: drafts stay valid whatever knobs the request has. A request whose kind has no verifier runs
+plain steps. Requests with the sampler's own knobs (`sampling` None or equal to them) take the
+path every request took before: one pass of all processors over all rows, the configured verifier.
 """
 from __future__ import annotations
 
@@ -20,8 +31,8 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.core.masks import StepConstraints
-from pipeline.core.runner import Request, Runner, forward_step
-from pipeline.core.target import TargetStage
+from pipeline.core.runner import Request, Runner, SamplingParams, forward_step
+from pipeline.core.target import RowGroup, TargetStage
 from pipeline.core.tree import Tree
 from pipeline.core.types import DecodeState, Generation, StepBatch
 
@@ -50,6 +61,8 @@ class _Live:
     max_new_tokens: int
     grammar: object = None  # its Grammar, when the request is constrained
     constraint: object = None  # ... and that grammar's Constraint state
+    sampling: SamplingParams | None = None  # its own knobs; None: the sampler's
+    warpers: list | None = None  # ... and their processors (after the sampler's shared ones)
     done: bool = False
     mask_s: float = 0.0  # constraint time (masks, tree walk, advances) in the current step
 
@@ -60,23 +73,36 @@ class Engine(Runner):
     batch-invariant, see the README) and sampling is seeded per request."""
     speculates = True
     plain = True
+    samples_per_request = True
 
     def __init__(self, model, kv, sampler, eos_ids: list[int], max_new_tokens: int, proposer=None,
                  verifier=None, seed: int = 0, batch_size: int = 1, constraint=None, guard=None,
-                 record_trees: bool = False):
+                 record_trees: bool = False, greedy_verifier=None, sampling_verifier=None):
+        """verifier: verifies the trees of requests with the sampler's own knobs. greedy_verifier,
+        sampling_verifier: the trees of requests with knobs of their own, greedy and sampled; each
+        defaults to `verifier` where it is of that kind, else none (those requests run plain steps)."""
         super().__init__(model, kv, sampler, eos_ids, max_new_tokens, seed, batch_size, constraint)
         if proposer is not None and verifier is None:
             raise UserError("a proposer needs a verifier: add verifier=greedy")
         if proposer is not None and not sampler.greedy and not verifier.samples:
             raise UserError(f"verifier {type(verifier).__name__} is lossless only for sampler=greedy: to sample "
                             "with speculation use verifier=exact (or verifier=typical), or drop the proposer")
+        if sampling_verifier is not None and not sampling_verifier.samples:
+            raise UserError(f"sampling_verifier {type(sampling_verifier).__name__} cannot verify sampled requests: "
+                            "give one that samples (verifier=exact)")
+        if verifier is not None:
+            if greedy_verifier is None and not verifier.samples:
+                greedy_verifier = verifier
+            if sampling_verifier is None and verifier.samples:
+                sampling_verifier = verifier
+        self.greedy_verifier, self.sampling_verifier = greedy_verifier, sampling_verifier
         self.idle_proposer = None  # a proposer that will never draft (kept for what it reports)
         if proposer is not None and not proposer.active:
             self.idle_proposer, proposer = proposer, None  # e.g. no tree pays here: plain steps, no overhead
         self.proposer, self.verifier = proposer, verifier
         self.guard = guard  # a SpeculationGuard: pauses drafting while it does not pay (None: always draft)
         self.record_trees = record_trees  # keep every verified tree in Generation.trees (pipeline.report draws them)
-        self.target = TargetStage(sampler.processors, greedy=sampler.greedy)
+        self.target = TargetStage(sampler.shared, greedy=sampler.greedy, warpers=sampler.processors[len(sampler.shared):])
         self.masks = StepConstraints(model.args.vocab_size, self.eos_ids)
 
     def reset(self) -> None:
@@ -117,10 +143,11 @@ class Engine(Runner):
         t0 = time.perf_counter()
         joined = []
         for handle, r in group:
-            grammar = self._grammar(r)
+            grammar, sampling = self._grammar(r), self._knobs(r.sampling)
             s = _Live(handle, self.kv.create(), len(r.prompt), list(r.prompt), None, Generation(),
                       torch.Generator().manual_seed(r.seed), t0, self._budget_of(r), grammar,
-                      None if grammar is None else grammar.start())
+                      None if grammar is None else grammar.start(), sampling,
+                      None if sampling is None else self.sampler.warpers(sampling))
             s.gen.constraint = None if grammar is None else grammar.kind
             self._live.append(s)
             joined.append(s)
@@ -131,7 +158,7 @@ class Engine(Runner):
         last = [o - 1 for o in step.offsets[1:]]
         allowed = masks()
         p = self.target(self.model.logits(h[last]), input_ids=lambda: [s.tokens for s in joined], allowed=allowed,
-                        describe=self.masks.describe(joined, [1] * len(joined)))
+                        describe=self.masks.describe(joined, [1] * len(joined)), groups=_groups(joined, [1] * len(joined)))
         self.masks.charge(joined, allowed, self.target.mask_s)
         ms = (time.perf_counter() - t0) * 1e3
         for b, s in enumerate(joined):
@@ -170,7 +197,7 @@ class Engine(Runner):
         h = self._forward(step)  # (R, dim)
         allowed = masks()
         p = self.target(self.model.logits(h), input_ids=lambda: _contexts(live, trees), allowed=allowed,
-                        describe=self.masks.describe(live, sizes))
+                        describe=self.masks.describe(live, sizes), groups=_groups(live, sizes))
         self.masks.charge(live, allowed, self.target.mask_s)
         committed = [self._commit(s, tree, p.rows(o, o + tree.size), h[o:o + tree.size])
                      for s, tree, o in zip(live, trees, step.offsets)]
@@ -196,7 +223,7 @@ class Engine(Runner):
         """Each sequence's tree for this step (a lone root where nothing is drafted), pruned to its
         budget and its language, and the nodes' packed allowed sets where a walk computed them."""
         speculate = self.proposer is not None and (self.guard is None or self.guard.speculate())
-        drafted = [s for s in live if speculate and self._budget(s) > 1]
+        drafted = [s for s in live if speculate and self._budget(s) > 1 and self._verifier(s) is not None]
         proposals = dict(zip((s.seq for s in drafted), self.proposer.propose(
             [DecodeState(s.seq, s.tokens, s.hidden, self.model, self.kv, self._budget(s), s.generator)
              for s in drafted]) if drafted else []))
@@ -223,6 +250,18 @@ class Engine(Runner):
             raise RuntimeError(f"{type(self.proposer).__name__} left {self.kv.pending(s.seq)} tentative KV slots "
                                "of a sequence: a drafting proposer must discard its own slots")
 
+    def _knobs(self, params: SamplingParams | None) -> SamplingParams | None:
+        """A request's own knobs, None where they are the sampler's (its rows take the common path)."""
+        if params is None or params == self.sampler.params or (params.greedy and self.sampler.greedy):
+            return None
+        return params
+
+    def _verifier(self, s: _Live):
+        """The verifier of s's trees (None: s runs plain steps)."""
+        if s.sampling is None:
+            return self.verifier
+        return self.greedy_verifier if s.sampling.greedy else self.sampling_verifier
+
     def _commit(self, s: _Live, tree: Tree, p, h: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Verify s's tree against its rows of the target (p, and hidden h (n, dim)), keep the accepted
         path's KV slots, and return the committed tokens with the hidden states along the path."""
@@ -230,7 +269,7 @@ class Engine(Runner):
             path, new = [0], self.sampler.choose(p, [s.generator])
             self.kv.commit(s.seq)
         else:
-            acc = self.verifier.verify(tree, p, s.generator)
+            acc = self._verifier(s).verify(tree, p, s.generator)
             path, new = acc.path, acc.tokens
             self.kv.commit(s.seq, path)
             if self.record_trees:
@@ -271,6 +310,20 @@ class Engine(Runner):
         s.tokens += new
         if self.on_tokens is not None and out:
             self.on_tokens(s.index, out, hidden[:len(out)])
+
+
+def _groups(live: list[_Live], sizes: list[int]) -> list[RowGroup] | None:
+    """The rows of the requests with knobs of their own, one group per distinct knobs (None when
+    every request has the sampler's: the common path)."""
+    if all(s.sampling is None for s in live):
+        return None
+    groups: dict[SamplingParams, RowGroup] = {}
+    o = 0
+    for s, n in zip(live, sizes):
+        if s.sampling is not None:
+            groups.setdefault(s.sampling, RowGroup([], s.warpers, s.sampling.greedy)).rows.extend(range(o, o + n))
+        o += n
+    return list(groups.values())
 
 
 def _contexts(live: list[_Live], trees: list[Tree]) -> list[list[int]]:

@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from pipeline.core.runner import SamplingParams
 from pipeline.core.target import Target
 from pipeline.core.tree import Tree
 from pipeline.core.types import Accepted, DecodeState, KVPlan, StepBatch
@@ -79,7 +80,13 @@ class LogitsProcessor(Protocol):
 
 class Sampler(ABC):
     """Chooses tokens from processed scores: greedy (argmax) or sampling."""
-    processors: list  # LogitsProcessor, applied in order by the target stage
+    processors: list  # LogitsProcessor, applied in order by the target stage: `shared`, then its own warpers
+    shared: list  # the processors every request's rows go through (configured ones: a repetition penalty)
+    params: "SamplingParams"  # its own knobs (temperature 0 when greedy)
+
+    @abstractmethod
+    def warpers(self, params: "SamplingParams") -> list:
+        """The processors that follow `shared` for a request with its own knobs (none when greedy)."""
 
     @property
     @abstractmethod

@@ -7,7 +7,8 @@ is done or aborted, with its KV memory back in the pool. `run()` is the batch fo
 prompt added, steps until nothing is left, and on any exception (a failure, Ctrl-C) every live
 request's memory returned first. A runner says what it is through two class attributes, which is
 what configs are checked against before anything is built: `speculates` (it takes a proposer) and
-`plain` (its output is plain decoding's: the baseline of a sweep or a benchmark).
+`plain` (its output is plain decoding's: the baseline of a sweep or a benchmark), and one more,
+`samples_per_request`, says whether a request may bring its own sampling knobs.
 """
 from __future__ import annotations
 
@@ -22,6 +23,33 @@ from pipeline.errors import UserError, positive_int
 from pipeline.core.types import Generation, StepBatch
 
 
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy decoding (vLLM's rule): 0 is the usual way to ask
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """A request's own sampling knobs, as the sampler's config names them (`sampler.temperature`,
+    `sampler.top_p`, `sampler.top_k`). temperature 0 is greedy decoding (argmax of the processed
+    scores: top-p and top-k never change it); top_p 1.0 and top_k 0 are off."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) or self.temperature < 0:
+            raise UserError(f"temperature must be a number >= 0 (0: greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise UserError(f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+
 @dataclass
 class Request:
     """One request as a runner takes it."""
@@ -29,6 +57,7 @@ class Request:
     seed: int  # its own generator's seed: tokens never depend on what runs beside it
     grammar: object = None  # its constraint (a Grammar); None: the runner's configured one
     max_new_tokens: int | None = None  # None: the runner's
+    sampling: SamplingParams | None = None  # its own sampling knobs; None: the runner's sampler
 
 
 def check_prompt(index: int, prompt: list[int], limit: int) -> None:
@@ -57,6 +86,7 @@ class Runner(ABC):
     request is any object with `index` and `done`."""
     speculates = False  # takes a proposer (tree speculation)
     plain = False  # with no proposer its tokens are plain decoding's
+    samples_per_request = False  # takes a request's own SamplingParams
 
     def __init__(self, model, kv, sampler, eos_ids: list[int], max_new_tokens: int, seed: int = 0,
                  batch_size: int = 1, constraint=None):
@@ -76,6 +106,9 @@ class Runner(ABC):
         check_prompt(self._next, request.prompt, self.model.args.max_seq_len)
         if request.max_new_tokens is not None:
             positive_int(request.max_new_tokens, "max_new_tokens")
+        if request.sampling is not None and not (self.samples_per_request and isinstance(request.sampling, SamplingParams)):
+            raise UserError(f"{type(self).__name__} takes no per-request sampling knobs" if not self.samples_per_request
+                            else f"a request's sampling must be SamplingParams, got {request.sampling!r}")
         handle, self._next = self._next, self._next + 1
         self._queue.append((handle, request))
         return handle

@@ -1,17 +1,19 @@
 """What a request becomes in the engine. `Admitter.to_engine` is the one mapping from a checked
 `Spec` to the runner's `Request`, done the way `python -m pipeline` does a request line: the same
 chat template and encode path, the same constraint path (`constraint_node` -> a compiled grammar,
-`add_to_prompt` included), the request's `seed` or else the config's. Sampling knobs the engine
-cannot yet take per request are refused here, naming the field."""
+`add_to_prompt` included), the request's `seed` or else the config's, and its sampling knobs over
+the preset's (`SamplingParams`: what it gives of temperature, top_p and top_k, the preset's sampler
+for the rest). A runner that takes no per-request knobs (beam search) refuses them, naming the field."""
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import replace
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.build import check_constraint, component, constraint_node
-from pipeline.core import Request, UserError
+from pipeline.build import check_constraint, component, constraint_node, runner_class
+from pipeline.core import Request, SamplingParams, UserError
 from pipeline.decode import with_constraint_text
 from pipeline.requests import encode
 from pipeline.server.openai_api import APIError, Spec, bad, unsupported
@@ -29,8 +31,9 @@ class Admitter:
         self.cfg, self.backbone = cfg, backbone
         self.limit = backbone.model.args.max_seq_len
         s = cfg.sampler
-        self.samples = bool(s.do_sample)
-        self.sampling = {"temperature": float(s.temperature), "top_p": float(s.top_p), "top_k": int(s.top_k)}
+        # the preset's knobs, which a request's own override (temperature 0: greedy)
+        self.sampling = SamplingParams(float(s.temperature) if s.do_sample else 0.0, float(s.top_p), int(s.top_k))
+        self.per_request = runner_class(cfg).samples_per_request
         self._grammars: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
 
@@ -62,7 +65,7 @@ class Admitter:
 
     def to_engine(self, spec: Spec, grammar) -> tuple[Request, int]:
         """The runner's Request for a checked spec and its grammar, and its prompt's length."""
-        self.check_sampling(spec)
+        sampling = self.knobs(spec)
         field = "messages" if spec.kind == "chat" else "prompt"
         try:
             ids = encode(self.backbone.tokenizer, with_constraint_text(spec.request, grammar), spec.chat,
@@ -73,17 +76,24 @@ class Admitter:
             raise APIError(400, f"{field}: the prompt is {len(ids)} tokens, the model's context is {self.limit}: "
                            "shorten it", field, "context_length_exceeded")
         seed = int(self.cfg.seed) if spec.seed is None else spec.seed
-        return Request(ids, seed, grammar, spec.max_tokens), len(ids)
+        return Request(ids, seed, grammar, spec.max_tokens, sampling), len(ids)
 
-    def check_sampling(self, spec: Spec) -> None:
-        """Sampling knobs equal to the preset's are honoured; others are refused (the engine takes
-        one sampler). On a greedy preset top_p and top_k never change the argmax: any is honoured."""
-        asked = {k: getattr(spec, k) for k in self.sampling if getattr(spec, k) is not None}
-        if not self.samples:
-            if asked.get("temperature", 0.0) != 0.0:
-                raise unsupported("temperature", f"sampling (temperature {asked['temperature']}) on this greedy "
-                                  f"server (decode={self.cfg.get('name')})")
-            return
-        for k, v in asked.items():
-            if v != self.sampling[k]:
-                raise unsupported(k, f"{k} {v} (the server samples with {k} {self.sampling[k]})")
+    def knobs(self, spec: Spec) -> SamplingParams | None:
+        """The request's sampling knobs: the preset's with what the request gives of temperature,
+        top_p and top_k (None when it gives none: the preset's sampler). A runner without
+        per-request knobs honours only what leaves its tokens as they are."""
+        asked = {k: getattr(spec, k) for k in ("temperature", "top_p", "top_k") if getattr(spec, k) is not None}
+        if not asked:
+            return None
+        try:
+            params = replace(self.sampling, **asked)
+        except ValueError as e:
+            field = next((k for k in asked if str(e).startswith(k)), next(iter(asked)))
+            raise bad(field, str(e)) from None
+        if not self.per_request:
+            if params != self.sampling and not (params.greedy and self.sampling.greedy):
+                k = next(k for k in asked if asked[k] != getattr(self.sampling, k))
+                raise unsupported(k, f"{k} {asked[k]} on this runner ({self.cfg.get('name')}: it takes no "
+                                  "per-request sampling knobs)")
+            return None
+        return params

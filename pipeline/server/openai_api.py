@@ -141,10 +141,10 @@ def read_spec(body: dict, kind: str, model: str) -> Spec:
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise bad("stream_options", f'takes {{"include_usage": true|false}}, got {options!r}')
     include_usage = _flag(options or {}, "include_usage")
-    top_k = _int(body, "top_k", -1)
+    top_k = _int(body, "top_k", -1)  # -1 (vLLM's) or 0: off
     return Spec(kind, request, chat, max_tokens, _int(body, "seed", 0), _stops(body.get("stop")), stream,
                 include_usage, _flag(body, "return_token_ids"), _number(body, "temperature", 0.0),
-                _number(body, "top_p", 0.0, 1.0, open_low=True), None if top_k in (None, -1) else top_k)
+                _number(body, "top_p", 0.0, 1.0, open_low=True), None if top_k is None else max(top_k, 0))
 
 
 def _text(content, where: str) -> str:
