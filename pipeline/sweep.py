@@ -20,7 +20,6 @@ import csv
 import hashlib
 import io
 import json
-import os
 import statistics
 import sys
 from pathlib import Path

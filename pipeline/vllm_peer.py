@@ -25,7 +25,6 @@ import os
 import selectors
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 import pipeline.cli
 from pipeline.build import build_engine
+from components.sampler.logits import Sampler
 from pipeline.core import BeamSearch, Engine
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -94,7 +95,8 @@ def rebuild(runner, **changes):
                      num_beam_groups=runner.num_beam_groups, diversity_penalty=runner.diversity_penalty)
     elif isinstance(runner, Engine):
         parts.update(proposer=runner.drafter, verifier=runner.verifier, guard=runner.guard,
-                     record_trees=runner.record_trees)
+                     record_trees=runner.record_trees, greedy_verifier=runner.greedy_verifier,
+                     sampling_verifier=runner.sampling_verifier)
     else:
         raise TypeError(f"rebuild takes an Engine or a BeamSearch, got {type(runner).__name__}")
     unknown = set(changes) - set(parts)
@@ -158,3 +160,20 @@ def chi_square_p(counts: Counter, truth: dict[tuple, float]) -> float:
         cells.append((sum(counts.get(k, 0) for k in rest), n * sum(truth[k] for k in rest)))
     stat = sum((o - e) ** 2 / e for o, e in cells if e > 0)
     return float(torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2), torch.tensor(stat / 2)))
+
+
+def tiny_truth(bb, prompt: list[int], sampler: Sampler, n: int) -> dict[tuple, float]:
+    """Plain sampling's distribution of the first n tokens on the tiny model (exact, by enumeration
+    over the sampler's support)."""
+    out = {(): 1.0}
+    for _ in range(n):
+        nxt = {}
+        for seq, prob in out.items():
+            ids = torch.tensor([prompt + list(seq)])
+            with torch.inference_mode():
+                logits = bb.model.logits(bb.model(ids, torch.arange(ids.shape[1])[None])[0, -1])
+            p = sampler.probs(logits[None])[0]
+            for t in p.nonzero().flatten().tolist():
+                nxt[seq + (t,)] = prob * float(p[t])
+        out = nxt
+    return out

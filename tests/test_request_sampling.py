@@ -17,8 +17,8 @@ from components.verifier.greedy import GreedyVerifier
 from pipeline.core import Request, SamplingParams, TargetStage, UserError
 from pipeline.core.target import RowGroup
 
-from test_decode import decoder_for, replace
-from test_sampling_spec import GreedyAcceptance, RepeatProposer, chi_square_p, tiny_truth
+from helpers import chi_square_p, decoder_for, rebuild, tiny_truth
+from toy import GreedyAcceptance, RepeatProposer
 
 GREEDY = SamplingParams(temperature=0.0)
 HOT = SamplingParams(temperature=1.5, top_k=3)
@@ -91,7 +91,7 @@ def test_sampled_requests_keep_plain_sampling_under_speculation(tiny_backbone):
     bb = tiny_backbone
     prompt = bb.tokenizer.encode("a b a b a b a b a", add_special_tokens=False)
     knobs = SamplingParams(temperature=2.0, top_p=0.98, top_k=3)
-    eng = replace(decoder_for("tree_ngram", bb, "batch_size=64", max_new_tokens=3), proposer=RepeatProposer())
+    eng = rebuild(decoder_for("tree_ngram", bb, "batch_size=64", max_new_tokens=3), proposer=RepeatProposer())
     truth = tiny_truth(bb, prompt, Sampler(do_sample=True, temperature=2.0, top_k=3, top_p=0.98), 3)
     want = decoder_for("greedy", bb, max_new_tokens=3).run([prompt])[0].token_ids
 
@@ -105,9 +105,15 @@ def test_sampled_requests_keep_plain_sampling_under_speculation(tiny_backbone):
     got, accepted = counts(eng, DRAWS)
     assert 100 < accepted < 3 * DRAWS, "the sampled requests' drafts should be accepted sometimes, not always"
     assert chi_square_p(got, truth) > 1e-3, (got, truth)
-    for bad in (GreedyVerifier(), GreedyAcceptance()):
-        wrong, _ = counts(replace(eng, sampling_verifier=bad), DRAWS // 2)
+    for bad in (SamplesGreedily(), GreedyAcceptance()):
+        wrong, _ = counts(rebuild(eng, sampling_verifier=bad), DRAWS // 2)
         assert chi_square_p(wrong, truth) < 1e-6, (type(bad).__name__, wrong, truth)
+
+
+class SamplesGreedily(GreedyVerifier):
+    """Greedy verification claiming it may verify sampled rows (the engine's constructor refuses a
+    plain GreedyVerifier there): the mistake the test above must catch."""
+    samples = True
 
 
 def test_row_groups_process_each_row_as_its_knobs_alone_would():

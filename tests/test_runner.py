@@ -10,7 +10,7 @@ import pytest
 from pipeline.build import build_engine
 from pipeline.core import Request
 
-from conftest import compose_config
+from helpers import compose_config
 
 
 def runner_for(backbone, *overrides: str, max_new_tokens: int = 24):
@@ -70,7 +70,8 @@ def test_an_aborted_request_frees_its_kv_in_that_step(tiny_backbone, kv):
 
 def test_a_queued_request_aborts_without_ever_joining(tiny_backbone):
     runner = runner_for(tiny_backbone, "decode=greedy", "batch_size=1")
-    a, b = runner.add(Request(prompts(1)[0], seed=0)), runner.add(Request(prompts(2)[1], seed=0))
+    runner.add(Request(prompts(1)[0], seed=0))
+    b = runner.add(Request(prompts(2)[1], seed=0))
     runner.step()
     assert runner.queued == 1
     gen = runner.abort(b)

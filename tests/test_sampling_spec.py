@@ -14,10 +14,10 @@ import torch
 from components.sampler.logits import Sampler
 from components.verifier.exact import ExactVerifier
 from components.verifier.typical import TypicalVerifier
-from pipeline.core import Accepted, Target, Tree
+from pipeline.core import Target, Tree
 
-from helpers import chi_square_p, compose_config, decoder_for, rebuild
-from toy import PerSequence
+from helpers import chi_square_p, decoder_for, rebuild, tiny_truth
+from toy import GreedyAcceptance, NoRenormalisation, RepeatProposer
 
 V = 4  # vocabulary of the synthetic target and draft
 
@@ -89,42 +89,6 @@ def tv(counts: Counter, truth: dict[tuple, float]) -> float:
     return 0.5 * sum(abs(counts.get(k, 0) / n - v) for k, v in truth.items())
 
 
-class WrongVerifier(ExactVerifier):
-    """Walks the tree like the exact verifier, but keeps the child that `pick` chooses at each node
-    (None: stop and sample the next token from the untouched p there)."""
-
-    def pick(self, tree, probs, node, tokens, children, generator):
-        raise NotImplementedError
-
-    def verify(self, tree, p, generator=None):
-        probs = p.probs
-        tokens, children = tree.tokens.tolist(), tree.children()
-        node, path = 0, [0]
-        while (chosen := self.pick(tree, probs, node, tokens, children, generator)) is not None:
-            path.append(chosen)
-            node = chosen
-        tok = int(torch.multinomial(probs[node], 1, generator=generator))
-        return Accepted(path, [tokens[i] for i in path[1:]], tok)
-
-
-class NoRenormalisation(WrongVerifier):
-    """Wrong: after a rejection the next child is tested against the untouched p."""
-
-    def pick(self, tree, probs, node, tokens, children, generator):
-        for c in children[node]:
-            q = 1.0 if tree.q is None else float(tree.q[node][tokens[c]])
-            if float(torch.rand((), generator=generator)) * q < float(probs[node][tokens[c]]):
-                return c
-        return None
-
-
-class GreedyAcceptance(WrongVerifier):
-    """Wrong at temperature 1: a draft is accepted when it is the target's most likely token."""
-
-    def pick(self, tree, probs, node, tokens, children, generator):
-        return next((c for c in children[node] if tokens[c] == int(probs[node].argmax())), None)
-
-
 DRAWS = 30_000
 
 
@@ -168,32 +132,6 @@ def test_with_a_greedy_sampler_they_equal_greedy_speculation(tiny_backbone, pres
     a, b = greedy.run(prompts), ours.run(prompts)
     assert [g.token_ids for g in a] == [g.token_ids for g in b]
     assert [g.accepted_lengths for g in a] == [g.accepted_lengths for g in b]
-
-
-def tiny_truth(bb, prompt: list[int], sampler: Sampler, n: int) -> dict[tuple, float]:
-    """Plain sampling's distribution of the first n tokens on the tiny model (exact, by enumeration
-    over the sampler's support)."""
-    out = {(): 1.0}
-    for _ in range(n):
-        nxt = {}
-        for seq, prob in out.items():
-            ids = torch.tensor([prompt + list(seq)])
-            with torch.inference_mode():
-                logits = bb.model.logits(bb.model(ids, torch.arange(ids.shape[1])[None])[0, -1])
-            p = sampler.probs(logits[None])[0]
-            for t in p.nonzero().flatten().tolist():
-                nxt[seq + (t,)] = prob * float(p[t])
-        out = nxt
-    return out
-
-
-class RepeatProposer(PerSequence):
-    """Deterministic drafts the tied tiny model often agrees with: its last token twice, and the
-    token before it as a sibling."""
-
-    def draft(self, state):
-        t, u = state.tokens[-1], state.tokens[-2]
-        return Tree.from_parents([t, t, u, t], [-1, 0, 0, 1])
 
 
 @pytest.mark.parametrize("knobs", [("sampler.temperature=1.3", "sampler.top_k=2"),

@@ -12,7 +12,8 @@ from typing import Callable
 import torch
 
 from components.kv.contiguous import ContiguousKV
-from pipeline.core import DecodeState, Proposer, Tree
+from components.verifier.exact import ExactVerifier
+from pipeline.core import Accepted, DecodeState, Proposer, Tree
 
 
 class PerSequence(Proposer):
@@ -60,3 +61,48 @@ class ScriptedModel:
             ctx = tuple(int(t) for t in h.tolist() if t >= 0)
             rows.append(torch.tensor(self.script(ctx), dtype=torch.float32))
         return torch.stack(rows)
+
+
+class WrongVerifier(ExactVerifier):
+    """Walks the tree like the exact verifier, but keeps the child that `pick` chooses at each node
+    (None: stop and sample the next token from the untouched p there)."""
+
+    def pick(self, tree, probs, node, tokens, children, generator):
+        raise NotImplementedError
+
+    def verify(self, tree, p, generator=None):
+        probs = p.probs
+        tokens, children = tree.tokens.tolist(), tree.children()
+        node, path = 0, [0]
+        while (chosen := self.pick(tree, probs, node, tokens, children, generator)) is not None:
+            path.append(chosen)
+            node = chosen
+        tok = int(torch.multinomial(probs[node], 1, generator=generator))
+        return Accepted(path, [tokens[i] for i in path[1:]], tok)
+
+
+class NoRenormalisation(WrongVerifier):
+    """Wrong: after a rejection the next child is tested against the untouched p."""
+
+    def pick(self, tree, probs, node, tokens, children, generator):
+        for c in children[node]:
+            q = 1.0 if tree.q is None else float(tree.q[node][tokens[c]])
+            if float(torch.rand((), generator=generator)) * q < float(probs[node][tokens[c]]):
+                return c
+        return None
+
+
+class GreedyAcceptance(WrongVerifier):
+    """Wrong at temperature 1: a draft is accepted when it is the target's most likely token."""
+
+    def pick(self, tree, probs, node, tokens, children, generator):
+        return next((c for c in children[node] if tokens[c] == int(probs[node].argmax())), None)
+
+
+class RepeatProposer(PerSequence):
+    """Deterministic drafts the tied tiny model often agrees with: its last token twice, and the
+    token before it as a sibling."""
+
+    def draft(self, state):
+        t, u = state.tokens[-1], state.tokens[-2]
+        return Tree.from_parents([t, t, u, t], [-1, 0, 0, 1])

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -44,7 +44,6 @@ from typing import Callable
 import torch
 
 from components.heads.eagle import EagleDraft
-from components.kv.contiguous import ContiguousKV
 from components.proposer.policy import best_prefix, measured_costs
 from pipeline.core import DecodeState, KVManager, Proposer, StepBatch, Tree, UserError, forward_step, positive_int
 
