@@ -21,6 +21,9 @@ for a sampled one (the build passes the configured verifier as the one of its ki
 its q: drafts stay valid whatever knobs the request has. A request whose kind has no verifier runs
 plain steps. Requests with the sampler's own knobs (`sampling` None or equal to them) take the
 path every request took before: one pass of all processors over all rows, the configured verifier.
+
+One module (~340 lines): the step loop and what it does per sequence (propose, commit, emit) read
+together, as Medusa's decode loop does; admission is runner.py's, constraints masks.py's.
 """
 from __future__ import annotations
 
