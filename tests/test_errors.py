@@ -18,6 +18,8 @@ from safetensors.torch import save_file
 import pipeline.cli
 from helpers import PYTHON, REPO_ROOT, compose_config, subprocess_env
 
+pytestmark = pytest.mark.xdist_group("errors")  # one worker: error_runs (~35 CLI processes) is made once
+
 LONG_PROMPT = "prompt=" + "_".join(["word"] * 40)  # far more than 16 tokens, no Hydra-special characters
 
 # id -> (overrides, patterns the one error line must contain, case-insensitively)

@@ -12,7 +12,8 @@ import pytest
 import torch
 import yaml
 
-from pipeline.sweep import load_jobs, rows, write_summary
+from pipeline.build import is_plain
+from pipeline.sweep import load_jobs, rows, with_baselines, write_summary
 from pipeline.tracking import log_sweep
 
 from helpers import PYTHON, REPO_ROOT, subprocess_env
@@ -62,7 +63,6 @@ def test_two_by_two_sweep_measures_its_own_greedy_baseline(tmp_path):
 def test_hand_composed_speculation_is_never_the_baseline(tmp_path, compose_cfg):
     """`decode=greedy proposer=ngram verifier=greedy` is speculative whatever its preset: its own run
     names it by its components, a sweep adds a real greedy job for it, and its rows never serve as one."""
-    from pipeline.sweep import is_plain, with_baselines
     sweep = tmp_path / "sweep"
     run_sweep("model=tiny", "prompt=hi", "max_new_tokens=6", "stream=false", "proposer=ngram", "verifier=greedy",
               "tree.width=1,2", f"hydra.sweep.dir={sweep}")
