@@ -88,7 +88,7 @@ def run_pipeline(args: list[str], run_dir, timeout=240) -> Run:
     return Run(p.returncode, p.stdout, p.stderr, run_dir)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: a module fixture is made again when xdist interleaves another module
 def error_runs(tmp_path_factory):
     """Every case, two processes at a time (most spend seconds importing torch). Validation that
     the unit tests cover in-process (top_k, dtype, proposer + sampling, ...) is not repeated here."""
