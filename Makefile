@@ -20,7 +20,7 @@ demo: setup
 	$(PY) -m pipeline decode=tree_medusa prompt="Explain in three sentences why the sky is blue."
 
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadgroup  # two workers, one torch thread each (tests/conftest.py); xdist_group keeps a module's costly fixture on one worker
+	$(PY) -m pytest -q -n 2  # two workers, one torch thread each (tests/conftest.py): under 13 minutes here
 
 bench: setup
 	$(PY) -m pipeline.bench decodes=[hf_greedy,greedy,tree_ngram,self_spec,tree_medusa]

@@ -18,8 +18,6 @@ from safetensors.torch import save_file
 import pipeline.cli
 from helpers import PYTHON, REPO_ROOT, compose_config, subprocess_env
 
-pytestmark = pytest.mark.xdist_group("errors")  # one worker: error_runs (~35 CLI processes) is made once
-
 LONG_PROMPT = "prompt=" + "_".join(["word"] * 40)  # far more than 16 tokens, no Hydra-special characters
 
 # id -> (overrides, patterns the one error line must contain, case-insensitively)
@@ -88,7 +86,7 @@ def run_pipeline(args: list[str], run_dir, timeout=240) -> Run:
     return Run(p.returncode, p.stdout, p.stderr, run_dir)
 
 
-@pytest.fixture(scope="session")  # session: a module fixture is made again when xdist interleaves another module
+@pytest.fixture(scope="session")  # made once per worker that runs one of these tests
 def error_runs(tmp_path_factory):
     """Every case, two processes at a time (most spend seconds importing torch). Validation that
     the unit tests cover in-process (top_k, dtype, proposer + sampling, ...) is not repeated here."""

@@ -53,8 +53,7 @@ def plain_greedy(bb, dtype: str, prompts) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,preset,kv,batch", [  # one xdist worker per precision: its backbone and reference once
-    pytest.param(*run, marks=pytest.mark.xdist_group(f"real_batching_{run[0]}")) for run in RUNS])
+@pytest.mark.parametrize("dtype,preset,kv,batch", RUNS)
 def test_bench_prompts_equal_plain_greedy(real_backbone, bench_prompts, dtype, preset, kv, batch):
     assert len(bench_prompts) == 24
     n = FEWER.get(preset, PROMPTS[dtype])

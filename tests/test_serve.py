@@ -28,8 +28,6 @@ from pipeline.server.app import StopText, build_server
 
 from helpers import PYTHON, REPO_ROOT, compose_config, subprocess_env
 
-pytestmark = pytest.mark.xdist_group("serve")  # one worker: the module's live servers start once
-
 PROMPTS = ["Tell me about the sea.", "Once upon a time, in a land far away,", "1, 2, 3, 4, 5, 1, 2, 3",
            "Why is the sky blue?"]
 MAX_TOKENS = 24
