@@ -36,6 +36,9 @@ def run_requests(engine: Engine, prompts: list[list[int]], seeds: list[int] | No
     return gens, time.perf_counter() - t0
 
 
+ITEMS = "items.jsonl"  # each finished request, appended as it finishes
+
+
 @dataclass
 class _Run:
     """What `prepare` made of a config: the requests, what an earlier run in this directory finished,
@@ -56,7 +59,7 @@ class _Run:
 
     @property
     def items_path(self) -> Path:
-        return self.out / "items.jsonl"
+        return self.out / ITEMS
 
 
 def decode(cfg: DictConfig, backbone=None) -> tuple[dict, dict]:
@@ -85,7 +88,7 @@ def prepare(cfg: DictConfig, backbone=None) -> _Run:
     nodes = request_constraints(cfg, reqs)  # an invalid regex/schema/grammar fails here too
     out = run_dir(cfg)
     keys = {r.id: request_key(cfg, r) for r in reqs}
-    done = load_items(out / "items.jsonl", keys)
+    done = load_items(out / ITEMS, keys)
     todo = [k for k, r in enumerate(reqs) if r.id not in done]
     runner, backbone = build_engine(cfg, backbone, with_constraint=False)  # each request's is passed
     cache: dict = {}
@@ -96,7 +99,7 @@ def prepare(cfg: DictConfig, backbone=None) -> _Run:
         check_prompt(reqs[k].id, ids, backbone.model.args.max_seq_len)
     made_in = {it.get("precision") for it in done.values()} - {None, backbone.precision}
     if made_in:
-        raise UserError(f"{out / 'items.jsonl'} holds requests decoded in {', '.join(sorted(made_in))}, this run "
+        raise UserError(f"{out / ITEMS} holds requests decoded in {', '.join(sorted(made_in))}, this run "
                         f"computes in {backbone.precision}: pass model.dtype={sorted(made_in)[0]} to resume, or a new "
                         "hydra.run.dir")
     if done:

@@ -123,9 +123,9 @@ class Engine(Runner):
 
     def describe(self) -> dict:
         out = super().describe()
-        tree = {} if self.drafter is None else self.drafter.describe()
-        if tree.get("tree") is not None:
-            out["tree"] = tree["tree"]
+        drafter = {} if self.drafter is None else self.drafter.describe()
+        if drafter.get("tree") is not None:
+            out["tree"] = drafter["tree"]
         if self.guard is not None and self.proposer is not None:
             out["guard"] = self.guard.describe()
         return out
