@@ -149,6 +149,11 @@ class Runner(ABC):
                 return gen
         return None
 
+    def peek(self, handle: int) -> Generation | None:
+        """What a live request has made so far, to read (None: not live, or a runner that keeps no
+        Generation while it runs)."""
+        return None
+
     @property
     def has_work(self) -> bool:
         return bool(self._queue or self._live)
