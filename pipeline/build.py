@@ -140,15 +140,46 @@ def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -
     parts = dict(model=backbone.model, kv=component(cfg.kv, backbone), sampler=component(cfg.sampler, backbone),
                  eos_ids=backbone.eos_ids, max_new_tokens=mnt, seed=int(cfg.seed), batch_size=batch,
                  constraint=component(constraint_node(cfg), backbone) if with_constraint else None)
+    drafts = build_drafts(cfg, backbone)
+    if drafts and not cls.speculates:
+        raise UserError(f"{cls.__name__} takes no drafts: drop drafts= (or serve a speculative runner)")
     if cls.speculates:
         proposer = build_proposer(cfg, backbone)
         verifier = component(cfg.get("verifier"), backbone)
+        if verifier is None and drafts:  # a plain preset serving drafts: the verifier of its sampler's kind
+            verifier = component(option_nodes("verifier")["exact" if cfg.sampler.do_sample else "greedy"], backbone)
         parts.update(proposer=proposer, verifier=verifier,
-                     guard=speculation_guard(cfg) if proposer is not None else None,
-                     record_trees=bool(cfg.get("record_trees", False)))
-        if proposer is not None and verifier is not None:
+                     guard=speculation_guard(cfg) if proposer is not None or drafts else None,
+                     record_trees=bool(cfg.get("record_trees", False)), drafts=drafts)
+        if (proposer is not None or drafts) and verifier is not None:
             parts.update(request_verifiers(verifier, backbone))
     return instantiate(cfg.runner)(**parts), backbone
+
+
+def build_drafts(cfg: DictConfig, backbone) -> dict:
+    """The named drafts of `drafts=[<preset>, ...]` (a server's: a request picks one by its model,
+    `<model>:<name>`): each preset's proposer, as `decode=<preset>` configures it for this run's
+    batch size and KV group, named by its proposer option (by the preset where two share one)."""
+    presets = list(cfg.get("drafts") or [])
+    if len(set(presets)) < len(presets):
+        raise UserError(f"drafts: a preset is listed twice in {presets}")
+    composed = {}
+    for preset in presets:
+        if preset not in groups()["decode"]:
+            raise UserError(f"drafts: no preset {preset!r}; the presets: {', '.join(groups()['decode'])}")
+        composed[preset] = compose_config([f"decode={preset}", f"batch_size={cfg.batch_size}"])
+        if composed[preset].get("proposer") is None:
+            raise UserError(f"drafts: {preset} has no proposer (a draft is a speculative preset: tree_eagle, "
+                            "tree_medusa, tree_ngram, self_spec, ...)")
+    choice = {p: component_choice("proposer", d.proposer) for p, d in composed.items()}
+    out = {}
+    for preset, d in composed.items():
+        name = choice[preset] if list(choice.values()).count(choice[preset]) == 1 else preset
+        node = OmegaConf.create({"proposer": OmegaConf.to_container(d.proposer, resolve=True),
+                                 "kv": OmegaConf.to_container(cfg.kv, resolve=True)})
+        check_paths(node)
+        out[name] = build_proposer(node, backbone)
+    return out
 
 
 def request_verifiers(verifier, backbone) -> dict:

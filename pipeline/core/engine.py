@@ -66,6 +66,8 @@ class _Live:
     constraint: object = None  # ... and that grammar's Constraint state
     sampling: SamplingParams | None = None  # its own knobs; None: the sampler's
     warpers: list | None = None  # ... and their processors (after the sampler's shared ones)
+    proposer: object = None  # the proposer of its trees (the runner's, or the named draft it asked for); None: plain
+    logprobs: int | None = None  # Request.logprobs
     done: bool = False
     mask_s: float = 0.0  # constraint time (masks, tree walk, advances) in the current step
 
@@ -76,16 +78,19 @@ class Engine(Runner):
     batch-invariant, see the README) and sampling is seeded per request."""
     speculates = True
     plain = True
-    samples_per_request = True
+    per_request = True
 
     def __init__(self, model, kv, sampler, eos_ids: list[int], max_new_tokens: int, proposer=None,
                  verifier=None, seed: int = 0, batch_size: int = 1, constraint=None, guard=None,
-                 record_trees: bool = False, greedy_verifier=None, sampling_verifier=None):
+                 record_trees: bool = False, greedy_verifier=None, sampling_verifier=None, drafts: dict | None = None):
         """verifier: verifies the trees of requests with the sampler's own knobs. greedy_verifier,
         sampling_verifier: the trees of requests with knobs of their own, greedy and sampled; each
-        defaults to `verifier` where it is of that kind, else none (those requests run plain steps)."""
+        defaults to `verifier` where it is of that kind, else none (those requests run plain steps).
+        drafts: named proposers a request may ask for (`Request.draft`) instead of `proposer`; every
+        sequence's rows, whichever draft made its tree, go through one target forward."""
         super().__init__(model, kv, sampler, eos_ids, max_new_tokens, seed, batch_size, constraint)
-        if proposer is not None and verifier is None:
+        self.drafts = dict(drafts or {})
+        if (proposer is not None or self.drafts) and verifier is None:
             raise UserError("a proposer needs a verifier: add verifier=greedy")
         if proposer is not None and not sampler.greedy and not verifier.samples:
             raise UserError(f"verifier {type(verifier).__name__} is lossless only for sampler=greedy: to sample "
@@ -115,7 +120,7 @@ class Engine(Runner):
 
     @property
     def drafting(self) -> bool:
-        return self.proposer is not None
+        return self.proposer is not None or any(p.active for p in self.drafts.values())
 
     @property
     def drafter(self):
@@ -126,9 +131,26 @@ class Engine(Runner):
         drafter = {} if self.drafter is None else self.drafter.describe()
         if drafter.get("tree") is not None:
             out["tree"] = drafter["tree"]
-        if self.guard is not None and self.proposer is not None:
+        if self.guard is not None and self.drafting:
             out["guard"] = self.guard.describe()
+        if self.drafts:
+            out["drafts"] = {name: p.describe() for name, p in self.drafts.items()}
         return out
+
+    def add(self, request: Request) -> int:
+        if request.draft is not None and request.draft not in self.drafts:
+            raise UserError(f"no draft {request.draft!r} here: this engine has {sorted(self.drafts) or 'none'}")
+        return super().add(request)
+
+    def peek(self, handle: int) -> Generation | None:
+        """What a live request has made so far (its Generation, to read, not to change); None when
+        it is not live."""
+        return next((s.gen for s in self._live if s.index == handle), None)
+
+    def _proposer_of(self, r: Request):
+        """The proposer of a request's trees: its named draft, else the runner's (None: plain steps)."""
+        p = self.proposer if r.draft is None else self.drafts[r.draft]
+        return p if p is not None and p.active else None
 
     # --- requests join and leave ----------------------------------------------------------------
     def _join(self, joining: list[tuple[int, Request]]) -> None:
@@ -136,6 +158,9 @@ class Engine(Runner):
         rows (a longer prompt goes alone), and choose each one's first token."""
         group: list[tuple[int, Request]] = []
         for item in joining:
+            if item[1].sibling_of is not None and any(h == item[1].sibling_of for h, _ in group):
+                group.append(item)  # forks its sibling's prompt: no rows of its own
+                continue
             if group and (len(group) + 1) * max(len(item[1].prompt), *(len(r.prompt) for _, r in group)) > PREFILL_ROWS:
                 self._prefill(group)
                 group = []
@@ -143,43 +168,59 @@ class Engine(Runner):
         self._prefill(group)
 
     def _prefill(self, group: list[tuple[int, Request]]) -> None:
+        """One forward over the prompts of a group of joining requests. A request whose sibling
+        (`Request.sibling_of`, n > 1) is prefilled in this forward forks its prompt KV and takes its
+        first token from the sibling's row of the target, with its own generator."""
         t0 = time.perf_counter()
-        joined = []
+        joined, fed, row = [], [], {}  # every joining request; those whose prompt the forward reads; request -> its row
         for handle, r in group:
             grammar, sampling = self._grammar(r), self._knobs(r.sampling)
-            s = _Live(handle, self.kv.create(), len(r.prompt), list(r.prompt), None, Generation(),
-                      torch.Generator().manual_seed(r.seed), t0, self._budget_of(r), grammar,
-                      None if grammar is None else grammar.start(), sampling,
-                      None if sampling is None else self.sampler.warpers(sampling))
+            sibling = next((f for f in fed if f.index == r.sibling_of), None)
+            s = _Live(handle, None if sibling is not None else self.kv.create(), len(r.prompt), list(r.prompt), None,
+                      Generation(logprobs=None if r.logprobs is None else []), torch.Generator().manual_seed(r.seed),
+                      t0, self._budget_of(r), grammar, None if grammar is None else grammar.start(), sampling,
+                      None if sampling is None else self.sampler.warpers(sampling), self._proposer_of(r), r.logprobs)
             s.gen.constraint = None if grammar is None else grammar.kind
             self._live.append(s)
             joined.append(s)
-        step = StepBatch.build([s.seq for s in joined], [torch.tensor(s.tokens) for s in joined],
-                               [None] * len(joined), [None] * len(joined), [0] * len(joined), self.model.attn_dtype)
-        masks = self.masks.start(joined, [None] * len(joined), [1] * len(joined))
-        h = self._forward(step)  # (R, dim): every prompt position of every joining request
+            if sibling is None:
+                row[handle] = len(fed)
+                fed.append(s)
+            else:
+                row[handle] = row[sibling.index]
+        step = StepBatch.build([s.seq for s in fed], [torch.tensor(s.tokens) for s in fed],
+                               [None] * len(fed), [None] * len(fed), [0] * len(fed), self.model.attn_dtype)
+        masks = self.masks.start(fed, [None] * len(fed), [1] * len(fed))
+        h = self._forward(step)  # (R, dim): every prompt position of every prefilled request
         last = [o - 1 for o in step.offsets[1:]]
         allowed = masks()
-        p = self.target(self.model.logits(h[last]), input_ids=lambda: [s.tokens for s in joined], allowed=allowed,
-                        describe=self.masks.describe(joined, [1] * len(joined)), groups=_groups(joined, [1] * len(joined)))
-        self.masks.charge(joined, allowed, self.target.mask_s)
+        p = self.target(self.model.logits(h[last]), input_ids=lambda: [s.tokens for s in fed], allowed=allowed,
+                        describe=self.masks.describe(fed, [1] * len(fed)), groups=_groups(fed, [1] * len(fed)))
+        self.masks.charge(fed, allowed, self.target.mask_s)
         ms = (time.perf_counter() - t0) * 1e3
-        for b, s in enumerate(joined):
-            self.kv.commit(s.seq)
+        for s in joined:
+            b = row[s.index]
+            if s.seq is None:
+                s.seq = self.kv.fork(fed[b].seq)  # its sibling's prompt KV, committed just before
+            else:
+                self.kv.commit(s.seq)
             first = self.sampler.choose(p.rows(b, b + 1), [s.generator])[0]
-            if self.proposer is not None:
-                self.proposer.start(s.seq, s.tokens)
-                self.proposer.observe(s.seq, s.tokens[1:] + [first], h[step.offsets[b]:step.offsets[b + 1]])
+            if s.proposer is not None:
+                s.proposer.start(s.seq, s.tokens)
+                s.proposer.observe(s.seq, s.tokens[1:] + [first], h[step.offsets[b]:step.offsets[b + 1]])
             s.hidden = h[last[b]]
             s.gen.prefill_ms = ms
-            self._emit(s, [first], h[last[b]:last[b] + 1])
+            lps = None if s.logprobs is None else _logprobs(p.rows(b, b + 1), [0], [first], s.logprobs)
+            self._emit(s, [first], h[last[b]:last[b] + 1], lps)
             self.masks.note(s)
 
     def _release(self, s: _Live) -> None:
+        if s.seq is None:  # a fork that never got its KV (its step failed first)
+            return
         if s.seq in self.kv.sequences:
             self.kv.free(s.seq)
-        if self.proposer is not None:
-            self.proposer.release(s.seq)
+        if s.proposer is not None:
+            s.proposer.release(s.seq)
 
     def _finish(self, s: _Live) -> Generation:
         s.gen.wall_s = time.perf_counter() - s.t0
@@ -205,13 +246,13 @@ class Engine(Runner):
         committed = [self._commit(s, tree, p.rows(o, o + tree.size), h[o:o + tree.size])
                      for s, tree, o in zip(live, trees, step.offsets)]
         ms = (time.perf_counter() - t) * 1e3
-        if self.guard is not None and self.proposer is not None:
-            self.guard.record(any(tr.size > 1 for tr in trees), sum(len(new) for new, _ in committed), ms)
-        for s, tree, (new, hidden) in zip(live, trees, committed):
+        if self.guard is not None and any(s.proposer is not None for s in live):
+            self.guard.record(any(tr.size > 1 for tr in trees), sum(len(new) for new, _, _ in committed), ms)
+        for s, tree, (new, hidden, lps) in zip(live, trees, committed):
             s.gen.step_ms.append(ms)
             s.gen.step_nodes.append(tree.size)
             s.gen.tree_depths.append(tree.max_depth)
-            self._emit(s, new, hidden)
+            self._emit(s, new, hidden, lps)
             self.masks.note(s)
 
     def _forward(self, step: StepBatch) -> torch.Tensor:
@@ -225,11 +266,15 @@ class Engine(Runner):
     def _propose(self, live: list[_Live]) -> tuple[list[Tree], list]:
         """Each sequence's tree for this step (a lone root where nothing is drafted), pruned to its
         budget and its language, and the nodes' packed allowed sets where a walk computed them."""
-        speculate = self.proposer is not None and (self.guard is None or self.guard.speculate())
-        drafted = [s for s in live if speculate and self._budget(s) > 1 and self._verifier(s) is not None]
-        proposals = dict(zip((s.seq for s in drafted), self.proposer.propose(
-            [DecodeState(s.seq, s.tokens, s.hidden, self.model, self.kv, self._budget(s), s.generator)
-             for s in drafted]) if drafted else []))
+        speculate = any(s.proposer is not None for s in live) and (self.guard is None or self.guard.speculate())
+        drafted = [s for s in live if speculate and s.proposer is not None and self._budget(s) > 1
+                   and self._verifier(s) is not None]
+        proposals = {}
+        for proposer in dict.fromkeys(s.proposer for s in drafted):  # each draft over its sequences, in order
+            mine = [s for s in drafted if s.proposer is proposer]
+            proposals.update(zip((s.seq for s in mine), proposer.propose(
+                [DecodeState(s.seq, s.tokens, s.hidden, self.model, self.kv, self._budget(s), s.generator)
+                 for s in mine])))
         for s in drafted:
             self._check_proposal(s, proposals[s.seq])
         trees, node_bits = [], []
@@ -246,11 +291,11 @@ class Engine(Runner):
         return trees, node_bits
 
     def _check_proposal(self, s: _Live, tree: Tree | None) -> None:
-        if self.proposer.sampled and tree is not None and tree.q is None:
-            raise RuntimeError(f"{type(self.proposer).__name__} samples its drafts but gave no q: "
+        if s.proposer.sampled and tree is not None and tree.q is None:
+            raise RuntimeError(f"{type(s.proposer).__name__} samples its drafts but gave no q: "
                                "exact verification needs the draft distribution of every node")
         if self.kv.pending(s.seq):
-            raise RuntimeError(f"{type(self.proposer).__name__} left {self.kv.pending(s.seq)} tentative KV slots "
+            raise RuntimeError(f"{type(s.proposer).__name__} left {self.kv.pending(s.seq)} tentative KV slots "
                                "of a sequence: a drafting proposer must discard its own slots")
 
     def _knobs(self, params: SamplingParams | None) -> SamplingParams | None:
@@ -265,9 +310,10 @@ class Engine(Runner):
             return self.verifier
         return self.greedy_verifier if s.sampling.greedy else self.sampling_verifier
 
-    def _commit(self, s: _Live, tree: Tree, p, h: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    def _commit(self, s: _Live, tree: Tree, p, h: torch.Tensor) -> tuple[list[int], torch.Tensor, list | None]:
         """Verify s's tree against its rows of the target (p, and hidden h (n, dim)), keep the accepted
-        path's KV slots, and return the committed tokens with the hidden states along the path."""
+        path's KV slots, and return the committed tokens with the hidden states along the path (and
+        the tokens' log-probabilities where the request asked: token k is drawn from row path[k])."""
         if tree.size == 1:
             path, new = [0], self.sampler.choose(p, [s.generator])
             self.kv.commit(s.seq)
@@ -279,16 +325,16 @@ class Engine(Runner):
                 s.gen.trees.append({"step": len(s.gen.accepted_lengths), "tokens": tree.tokens.tolist(),
                                     "parents": tree.parents.tolist(), "path": [int(i) for i in path]})
         hidden = h[torch.tensor(path, device=h.device)] if len(path) > 1 else h[:1]  # (n, dim) along the path
-        if self.proposer is not None:
-            self.proposer.observe(s.seq, new, hidden)
+        if s.proposer is not None:
+            s.proposer.observe(s.seq, new, hidden)
         s.hidden = hidden[-1]
-        return new, hidden
+        return new, hidden, None if s.logprobs is None else _logprobs(p, path, new, s.logprobs)
 
-    def _emit(self, s: _Live, new: list[int], hidden: torch.Tensor) -> None:
-        """Append committed tokens, stopping exactly where plain decoding would: at the first EOS,
-        where the constraint is complete, at max_new_tokens or at the context end, even inside an
-        accepted path."""
-        gen, out = s.gen, []
+    def _emit(self, s: _Live, new: list[int], hidden: torch.Tensor, lps: list | None = None) -> None:
+        """Append committed tokens (and their log-probabilities, lps), stopping exactly where plain
+        decoding would: at the first EOS, where the constraint is complete, at max_new_tokens or at
+        the context end, even inside an accepted path."""
+        gen, out, forced = s.gen, [], None
         limit = self.model.args.max_seq_len
         c = s.constraint
         for tok in new:
@@ -299,7 +345,8 @@ class Engine(Runner):
             elif c is not None and self.masks.advance(s, tok):
                 gen.finish_reason, s.done = "constraint_complete", True
                 if n < s.max_new_tokens and s.prompt_len + n < limit:  # the one token it allows
-                    out.append(self.masks.end_token(c))
+                    forced = self.masks.end_token(c)
+                    out.append(forced)
             elif n >= s.max_new_tokens:
                 gen.finish_reason, s.done = "length", True
             elif s.prompt_len + n >= limit:
@@ -309,10 +356,24 @@ class Engine(Runner):
         if s.done and c is not None:
             gen.constraint_complete = gen.finish_reason in ("eos", "constraint_complete") or c.can_end()
         gen.token_ids += out
+        if lps is not None:  # the forced end token is the only one its row allows: log-probability 0
+            gen.logprobs += lps[:len(out) - (forced is not None)] + ([] if forced is None else [(0.0, [(forced, 0.0)])])
         gen.accepted_lengths.append(len(out))
         s.tokens += new
         if self.on_tokens is not None and out:
             self.on_tokens(s.index, out, hidden[:len(out)])
+
+
+def _logprobs(p, rows: list[int], tokens: list[int], k: int) -> list[tuple[float, list]]:
+    """Token i's log-probability under row rows[i] of the target p (log-softmax of its processed,
+    masked scores), and that row's k best tokens with theirs (tokens it does not allow left out)."""
+    lp = torch.log_softmax(p.scores[torch.tensor(rows)], dim=-1)  # (n, V)
+    chosen = lp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    if not k:
+        return [(c, []) for c in chosen]
+    top = lp.topk(k, dim=-1)
+    return [(c, [(t, v) for t, v in zip(ids, vals) if v > float("-inf")])
+            for c, ids, vals in zip(chosen, top.indices.tolist(), top.values.tolist())]
 
 
 def _groups(live: list[_Live], sizes: list[int]) -> list[RowGroup] | None:

@@ -8,7 +8,8 @@ prompt added, steps until nothing is left, and on any exception (a failure, Ctrl
 request's memory returned first. A runner says what it is through two class attributes, which is
 what configs are checked against before anything is built: `speculates` (it takes a proposer) and
 `plain` (its output is plain decoding's: the baseline of a sweep or a benchmark), and one more,
-`samples_per_request`, says whether a request may bring its own sampling knobs.
+`per_request`, says whether a request may bring options of its own (sampling knobs, logprobs, a
+named draft, siblings).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from pipeline.errors import UserError, positive_int
 from pipeline.core.types import Generation, StepBatch
 
 
+MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's limit)
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy decoding (vLLM's rule): 0 is the usual way to ask
 
 
@@ -58,6 +60,14 @@ class Request:
     grammar: object = None  # its constraint (a Grammar); None: the runner's configured one
     max_new_tokens: int | None = None  # None: the runner's
     sampling: SamplingParams | None = None  # its own sampling knobs; None: the runner's sampler
+    logprobs: int | None = None  # None: none; k >= 0: each token's log-probability and the k best (Generation.logprobs)
+    draft: str | None = None  # the named draft that proposes its trees (Engine's `drafts`); None: the runner's own
+    sibling_of: int | None = None  # the handle of a request with the same prompt and constraint (n > 1): when
+    # both join in one step, this one forks that one's prompt KV instead of prefilling it again
+
+
+# the options only a runner with `per_request` takes
+REQUEST_OPTIONS = ("sampling", "logprobs", "draft", "sibling_of")
 
 
 def check_prompt(index: int, prompt: list[int], limit: int) -> None:
@@ -86,7 +96,7 @@ class Runner(ABC):
     request is any object with `index` and `done`."""
     speculates = False  # takes a proposer (tree speculation)
     plain = False  # with no proposer its tokens are plain decoding's
-    samples_per_request = False  # takes a request's own SamplingParams
+    per_request = False  # takes a request's own options (REQUEST_OPTIONS)
 
     def __init__(self, model, kv, sampler, eos_ids: list[int], max_new_tokens: int, seed: int = 0,
                  batch_size: int = 1, constraint=None):
@@ -106,9 +116,19 @@ class Runner(ABC):
         check_prompt(self._next, request.prompt, self.model.args.max_seq_len)
         if request.max_new_tokens is not None:
             positive_int(request.max_new_tokens, "max_new_tokens")
-        if request.sampling is not None and not (self.samples_per_request and isinstance(request.sampling, SamplingParams)):
-            raise UserError(f"{type(self).__name__} takes no per-request sampling knobs" if not self.samples_per_request
-                            else f"a request's sampling must be SamplingParams, got {request.sampling!r}")
+        given = [k for k in REQUEST_OPTIONS if getattr(request, k) is not None]
+        if given and not self.per_request:
+            raise UserError(f"{type(self).__name__} takes no per-request {given[0]}")
+        if request.sampling is not None and not isinstance(request.sampling, SamplingParams):
+            raise UserError(f"a request's sampling must be SamplingParams, got {request.sampling!r}")
+        if request.logprobs is not None and (not isinstance(request.logprobs, int) or isinstance(request.logprobs, bool)
+                                             or not 0 <= request.logprobs <= MAX_LOGPROBS):
+            raise UserError(f"logprobs must be an int in 0..{MAX_LOGPROBS}, got {request.logprobs!r}")
+        sibling = next((r for h, r in self._queue if h == request.sibling_of), None) if request.sibling_of is not None else None
+        if sibling is not None and (sibling.prompt != request.prompt or sibling.grammar is not request.grammar
+                                    or sibling.sampling != request.sampling):
+            raise UserError(f"request {self._next} names request {request.sibling_of} as its sibling but differs in its "
+                            "prompt, constraint or sampling knobs: siblings share those (n > 1)")
         handle, self._next = self._next, self._next + 1
         self._queue.append((handle, request))
         return handle
@@ -127,6 +147,11 @@ class Runner(ABC):
                 gen = self._finish(s)
                 gen.finish_reason = "abort"
                 return gen
+        return None
+
+    def peek(self, handle: int) -> Generation | None:
+        """What a live request has made so far, to read (None: not live, or a runner that keeps no
+        Generation while it runs)."""
         return None
 
     @property

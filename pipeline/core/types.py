@@ -59,6 +59,9 @@ class Generation:
     # with Engine.record_trees: per tree step {"step": index into accepted_lengths, "tokens", "parents"
     # (the candidate tree, node 0 the root), "path": the accepted nodes from the root}
     trees: list = field(default_factory=list)
+    # with Request.logprobs: per generated token (its log-probability, [(token, log-probability)] of the
+    # k best), from the target distribution the step computed (log-softmax of the processed, masked scores)
+    logprobs: list | None = None
 
     @property
     def steps(self) -> int:

@@ -33,7 +33,7 @@ class Admitter:
         s = cfg.sampler
         # the preset's knobs, which a request's own override (temperature 0: greedy)
         self.sampling = SamplingParams(float(s.temperature) if s.do_sample else 0.0, float(s.top_p), int(s.top_k))
-        self.per_request = runner_class(cfg).samples_per_request
+        self.per_request = runner_class(cfg).per_request
         self._grammars: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
 
@@ -64,7 +64,8 @@ class Admitter:
             return self._grammars[key]
 
     def to_engine(self, spec: Spec, grammar) -> tuple[Request, int]:
-        """The runner's Request for a checked spec and its grammar, and its prompt's length."""
+        """The runner's Request for a checked spec and its grammar (its first choice: choice i is
+        this with seed + i, a sibling of the first), and its prompt's length."""
         sampling = self.knobs(spec)
         field = "messages" if spec.kind == "chat" else "prompt"
         try:
@@ -76,7 +77,10 @@ class Admitter:
             raise APIError(400, f"{field}: the prompt is {len(ids)} tokens, the model's context is {self.limit}: "
                            "shorten it", field, "context_length_exceeded")
         seed = int(self.cfg.seed) if spec.seed is None else spec.seed
-        return Request(ids, seed, grammar, spec.max_tokens, sampling), len(ids)
+        if (spec.logprobs is not None or spec.n > 1 or spec.draft is not None) and not self.per_request:
+            name = "logprobs" if spec.logprobs is not None else "n" if spec.n > 1 else "model"
+            raise unsupported(name, f"{name} on this runner ({self.cfg.get('name')}: it takes no per-request options)")
+        return Request(ids, seed, grammar, spec.max_tokens, sampling, spec.logprobs, spec.draft), len(ids)
 
     def knobs(self, spec: Spec) -> SamplingParams | None:
         """The request's sampling knobs: the preset's with what the request gives of temperature,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -26,8 +27,8 @@ from pipeline.core import UserError
 from pipeline.metrics import depth_acceptance
 from pipeline.server.admit import Admitter
 from pipeline.server.loop import EngineLoop, Job, Refused
-from pipeline.server.openai_api import (FINISH, APIError, Spec, chunk, completion, read_body, read_spec, response_id,
-                                        sse, usage)
+from pipeline.server.openai_api import (FINISH, Answer, APIError, Spec, chunk, completion, logprobs_object, read_body,
+                                        read_spec, response_id, sse, usage)
 from pipeline.streaming import TextStream
 
 KV_STATS = ("sequences", "tokens", "bytes_in_use", "blocks_in_use")  # of kv.stats(), where the manager has them
@@ -99,27 +100,33 @@ class StopText:
 
 @dataclass
 class Piece:
-    """What one engine event adds to a response."""
+    """What one engine event adds to a choice."""
     text: str
     token_ids: list[int]
+    logprobs: dict | None = None  # the wire's logprobs object of these tokens, where the request asked
     finish: str | None = None  # OpenAI's finish reason, on the last piece
     speculation: dict | None = None  # on the last piece
 
 
-def speculation(accepted_lengths: list[int], tree_depths: list[int] | None) -> dict:
-    """The response's speculation: steps, tokens per step, and (where the engine's record of the
-    request is whole) the fraction of tree steps reaching each depth."""
-    steps = len(accepted_lengths)
-    return {"steps": steps, "mean_accepted_length": sum(accepted_lengths) / steps if steps else 0.0,
-            "acceptance_by_depth": None if tree_depths is None else
-            depth_acceptance([{"accepted_lengths": accepted_lengths, "tree_depths": tree_depths}])}
+def speculation(records: list[tuple[list[int], list[int] | None]]) -> dict:
+    """The speculation of one or more choices, each (tokens per step, the deepest draft of each step
+    after the first; None where unknown): steps, tokens per step, and the fraction of tree steps
+    reaching each depth."""
+    accepted = [a for acc, _ in records for a in acc]
+    steps = len(accepted)
+    whole = all(d is not None for _, d in records)
+    return {"steps": steps, "mean_accepted_length": sum(accepted) / steps if steps else 0.0,
+            "acceptance_by_depth": depth_acceptance([{"accepted_lengths": a, "tree_depths": d} for a, d in records])
+            if whole else None}
 
 
 class Service:
-    """One runner served: what the routes share."""
+    """One runner served: what the routes share. `models`: the served names, each with the draft
+    it routes to (`<name>:<draft>`; the bare name: the preset's own pipeline)."""
 
     def __init__(self, cfg: DictConfig, runner, backbone, model: str, max_queue: int):
         self.cfg, self.model, self.tokenizer = cfg, model, backbone.tokenizer
+        self.models = {model: None, **{f"{model}:{d}": d for d in getattr(runner, "drafts", {})}}
         self.metrics = Metrics()
         self.engine = EngineLoop(runner, max_queue, self.metrics)
         self.admitter = Admitter(cfg, backbone)
@@ -132,98 +139,161 @@ class Service:
     async def answer(self, request: Request, kind: str) -> Response:
         endpoint = request.url.path
         try:
-            spec = read_spec(read_body(await request.body()), kind, self.model)
+            spec = read_spec(read_body(await request.body()), kind, self.models)
             node = self.admitter.constraint(spec)
             grammar = None if node is None else await asyncio.to_thread(self.admitter.grammar, spec, node)
             req, prompt_tokens = self.admitter.to_engine(spec, grammar)
-            job = Job(req, asyncio.get_running_loop())
-            self.engine.submit(job)
+            loop = asyncio.get_running_loop()
+            jobs = [Job(req, loop)]
+            for i in range(1, spec.n):  # choice i: the same request seeded seed + i, forking the first's prompt
+                jobs.append(Job(dataclasses.replace(req, seed=req.seed + i), loop, sibling=jobs[0]))
+            self.engine.submit(jobs)
         except APIError as e:
             return self.error(e, endpoint)
         except Refused as e:
             return self.error(APIError(e.status, str(e), None, "queue_full" if e.status == 429 else "draining",
                                        retry_after=1), endpoint, "refused")
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        out = Output(self, job, spec, prompt_tokens, endpoint)
+        out = Output(self, jobs, spec, prompt_tokens, endpoint)
         if spec.stream:
             return JobStream(out.events(), out.close, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await out.whole(request.receive)
 
 
-class Output:
-    """One admitted request's answer, from its job's events."""
+class Choice:
+    """One choice of an admitted request, from its job's events."""
 
-    def __init__(self, service: Service, job: Job, spec: Spec, prompt_tokens: int, endpoint: str):
-        self.service, self.job, self.spec = service, job, spec
-        self.prompt_tokens, self.endpoint = prompt_tokens, endpoint
-        self.rid = response_id(spec.kind)
+    def __init__(self, output: "Output", job: Job, index: int):
+        self.output, self.job, self.index = output, job, index
         self.ended = False  # its last piece was made (or it failed)
+        # its speculation as it streams: tokens per step, the deepest draft of each step after the first
+        self.record: tuple[list[int], list[int] | None] = ([], [])
 
     def _outcome(self, outcome: str) -> None:
         self.ended = True
-        self.service.metrics.requests.labels(self.endpoint, outcome).inc()
+        self.output.service.metrics.requests.labels(self.output.endpoint, outcome).inc()
 
     async def pieces(self):
-        """Text and token ids as the engine commits them, cut at a stop string (the request then
-        leaves the engine), ending with a piece that carries the finish reason."""
-        stream, stops, accepted = TextStream(self.service.tokenizer), StopText(self.spec.stop), []
+        """Text, token ids (and log-probabilities) as the engine commits them, cut at a stop string
+        (the request then leaves the engine), ending with a piece that carries the finish reason."""
+        svc, spec = self.output.service, self.output.spec
+        stream, stops, offset = TextStream(svc.tokenizer), StopText(spec.stop), 0
         while True:
             kind, payload = await self.job.events.get()
             if kind == "tokens":
-                accepted.append(len(payload))
+                accepted, depths = self.record
+                accepted.append(len(payload.token_ids))
+                if len(accepted) > 1 and depths is not None:  # a step after the prefill's token
+                    self.record = (accepted, None if payload.depth is None else depths + [payload.depth])
                 text, ids = "", []
-                for t in payload:  # token by token, so a stop ends the output at the token that made it
+                for t in payload.token_ids:  # token by token, so a stop ends the output at the token that made it
                     ids.append(t)
                     piece, hit = stops.push(stream.push([t]))
                     text += piece
                     if hit:
-                        self.service.engine.abort(self.job)
+                        svc.engine.abort(self.job)
                         self._outcome("stop")
-                        yield Piece(text, ids, "stop", speculation(accepted, None))
+                        yield Piece(text, ids, self._logprobs(payload, len(ids), offset), "stop",
+                                    speculation([self.record]))
                         return
-                yield Piece(text, ids)
+                lps = self._logprobs(payload, len(ids), offset)
+                offset += len(text)
+                yield Piece(text, ids, lps)
             elif kind == "done":
                 piece, hit = stops.push(stream.flush())
                 finish = "stop" if hit else FINISH[payload.finish_reason]
                 self._outcome(finish)
-                yield Piece(piece if hit else piece + stops.flush(), [], finish,
-                            speculation(payload.accepted_lengths, payload.tree_depths))
+                self.record = (payload.accepted_lengths, payload.tree_depths)
+                yield Piece(piece if hit else piece + stops.flush(), [], None, finish, speculation([self.record]))
                 return
             elif kind == "aborted":  # a forced shutdown
                 self._outcome("abort")
-                yield Piece(stops.flush(), [], "abort", speculation(accepted, None))
+                yield Piece(stops.flush(), [], None, "abort", speculation([self.record]))
                 return
             else:
                 self._outcome("error")
                 raise APIError(500, payload, None, "engine_error")
 
+    def _logprobs(self, step, n: int, offset: int) -> dict | None:
+        """The wire's logprobs object of the first n tokens of an engine step."""
+        if step.logprobs is None:
+            return None
+        decode = self.output.service.tokenizer.decode
+        entries = [(decode([t]), lp, [(decode([a]), b) for a, b in top])
+                   for t, (lp, top) in zip(step.token_ids[:n], step.logprobs[:n])]
+        return logprobs_object(self.output.spec, entries, offset)
+
+
+class Output:
+    """An admitted request's answer: its choices' pieces, whole or streamed."""
+
+    def __init__(self, service: Service, jobs: list[Job], spec: Spec, prompt_tokens: int, endpoint: str):
+        self.service, self.spec, self.prompt_tokens, self.endpoint = service, spec, prompt_tokens, endpoint
+        self.choices = [Choice(self, job, i) for i, job in enumerate(jobs)]
+        self.rid = response_id(spec.kind)
+
+    async def _merged(self):
+        """(choice, piece) as the choices make them; an engine failure ends it with the error."""
+        if len(self.choices) == 1:
+            c = self.choices[0]
+            async for p in c.pieces():
+                yield c, p
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: Choice) -> None:
+            try:
+                async for p in c.pieces():
+                    await queue.put((c, p))
+            except APIError as e:
+                await queue.put((c, e))
+            await queue.put((c, None))
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in self.choices]
+        try:
+            left = len(tasks)
+            while left:
+                c, p = await queue.get()
+                if p is None:
+                    left -= 1
+                elif isinstance(p, APIError):
+                    raise p
+                else:
+                    yield c, p
+        finally:
+            for t in tasks:
+                t.cancel()
+
     async def events(self):
         """The server-sent events of a streamed answer, ending with `data: [DONE]`."""
-        spec, svc, n = self.spec, self.service, 0
+        spec, n = self.spec, 0
         if spec.kind == "chat":
-            yield chunk(spec, self.rid, svc.model, first=True)
+            for c in self.choices:
+                yield chunk(spec, self.rid, c.index, first=True)
         try:
-            async for p in self.pieces():
+            async for c, p in self._merged():
                 n += len(p.token_ids)
-                if p.text or (spec.return_token_ids and p.token_ids):
-                    yield chunk(spec, self.rid, svc.model, p.text, token_ids=p.token_ids)
+                if p.text or (spec.return_token_ids and p.token_ids) or p.logprobs:
+                    yield chunk(spec, self.rid, c.index, p.text, token_ids=p.token_ids, logprobs=p.logprobs)
                 if p.finish:
-                    yield chunk(spec, self.rid, svc.model, finish=p.finish, token_ids=[], speculation=p.speculation)
+                    yield chunk(spec, self.rid, c.index, finish=p.finish, token_ids=[], speculation=p.speculation)
         except APIError as e:  # the headers are sent: the error goes as an event, as OpenAI streams it
             yield sse(e.body())
         else:
             if spec.include_usage:
-                yield chunk(spec, self.rid, svc.model, usage_=usage(self.prompt_tokens, n), empty=True)
+                yield chunk(spec, self.rid, usage_=usage(self.prompt_tokens, n), empty=True)
         yield sse("[DONE]")
 
     async def whole(self, receive) -> Response:
         """The answer in one response; a client that goes away first aborts the request."""
         async def collect():
-            text, ids, last = "", [], None
-            async for p in self.pieces():
-                text, ids, last = text + p.text, ids + p.token_ids, p
-            return text, ids, last
+            parts = {c.index: [] for c in self.choices}
+            async for c, p in self._merged():
+                parts[c.index].append(p)
+            return [Answer("".join(p.text for p in ps), ps[-1].finish, [t for p in ps for t in p.token_ids],
+                           _joined_logprobs(self.spec, [p.logprobs for p in ps if p.logprobs]))
+                    for ps in parts.values()]
 
         work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected(receive))
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -233,17 +303,28 @@ class Output:
             self.close()
             return Response(status_code=499)  # nobody reads it
         try:
-            text, ids, last = work.result()
+            answers = work.result()
         except APIError as e:
+            self.close()
             return JSONResponse(e.body(), e.status)
-        return JSONResponse(completion(self.spec, self.rid, self.service.model, text, last.finish, ids,
-                                       self.prompt_tokens, last.speculation))
+        return JSONResponse(completion(self.spec, self.rid, answers, self.prompt_tokens,
+                                       speculation([c.record for c in self.choices])))
 
     def close(self) -> None:
         """The response is over, however it ended: a request still in the engine leaves it."""
-        if not self.ended:
-            self._outcome("disconnected")
-        self.service.engine.abort(self.job)
+        for c in self.choices:
+            if not c.ended:
+                c._outcome("disconnected")
+            self.service.engine.abort(c.job)
+
+
+def _joined_logprobs(spec: Spec, parts: list[dict]) -> dict | None:
+    """One choice's logprobs object from its pieces' (None when it asked for none)."""
+    if spec.logprobs is None:
+        return None
+    if spec.kind == "chat":
+        return {"content": [e for p in parts for e in p["content"]], "refusal": None}
+    return {k: [v for p in parts for v in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 async def disconnected(receive) -> None:
@@ -286,8 +367,9 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": service.model, "object": "model", "created": service.created,
-                                            "owned_by": "pipeline"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": service.created,
+                                            "owned_by": "pipeline", "root": service.model, "draft": draft}
+                                           for name, draft in service.models.items()]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

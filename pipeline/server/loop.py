@@ -31,10 +31,12 @@ class Refused(Exception):
 
 @dataclass(eq=False)
 class Job:
-    """One request between the HTTP side and the engine thread. `events` receives, in order,
-    ("tokens", ids) per step, then one of ("done", Generation), ("aborted", None) or ("error", message)."""
+    """One request (one choice of an HTTP request) between the HTTP side and the engine thread.
+    `events` receives, in order, ("tokens", Step) per step, then one of ("done", Generation),
+    ("aborted", None) or ("error", message)."""
     request: Request
     loop: asyncio.AbstractEventLoop
+    sibling: "Job | None" = None  # the first choice of its HTTP request (n > 1): its prompt KV is forked
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     handle: int | None = None  # the runner's, once added
     started: bool = False  # joined a step (its first token came)
@@ -45,6 +47,14 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+
+@dataclass
+class Step:
+    """What one engine step committed for one request."""
+    token_ids: list[int]
+    logprobs: list | None  # Generation.logprobs of these tokens, where the request asked
+    depth: int | None  # the deepest draft of the step's tree (0: a plain step); None: the prefill's token
 
 
 class EngineLoop:
@@ -69,16 +79,17 @@ class EngineLoop:
     def start(self) -> None:
         self.thread.start()
 
-    def submit(self, job: Job) -> None:
-        """Admit a job or raise Refused."""
+    def submit(self, jobs: list[Job]) -> None:
+        """Admit the jobs of one HTTP request (its choices), all or none, or raise Refused."""
         with self._lock:
             if self.draining:
                 raise Refused(503, "the server is shutting down: retry on another instance")
-            if self.inflight >= self.runner.batch_size + self.max_queue:  # every slot taken, max_queue waiting
+            if self.inflight + len(jobs) > self.runner.batch_size + self.max_queue:  # every slot taken, max_queue waiting
                 raise Refused(429, f"the queue is full ({self.max_queue} requests waiting): retry shortly")
-            self.inflight += 1
-            self.waiting += 1
-        self.inbox.put(("add", job))
+            self.inflight += len(jobs)
+            self.waiting += len(jobs)
+        for job in jobs:
+            self.inbox.put(("add", job))
 
     def abort(self, job: Job) -> None:
         """Drop a job (it ended on the HTTP side: a stop string, a client gone). Harmless once over."""
@@ -120,6 +131,8 @@ class EngineLoop:
 
     def _command(self, what: str, job: Job | None) -> None:
         if what == "add":
+            if job.sibling is not None and job.sibling.handle is not None and not job.sibling.over:
+                job.request.sibling_of = job.sibling.handle
             try:
                 job.handle = self.runner.add(job.request)
             except UserError as e:  # the HTTP side checks first: this is a bug there, said as an error
@@ -179,7 +192,10 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.generation_tokens.inc(len(ids))
             self.metrics.accepted_length.observe(len(ids))
-        job.post(("tokens", list(ids)))
+        gen = self.runner.peek(handle)
+        logprobs = None if gen is None or gen.logprobs is None else gen.logprobs[len(gen.logprobs) - len(ids):]
+        depth = gen.tree_depths[-1] if gen is not None and gen.steps > 1 and len(gen.tree_depths) == gen.steps - 1 else None
+        job.post(("tokens", Step(list(ids), logprobs, depth)))
 
     def _drop(self, job: Job, event: tuple) -> None:
         self.jobs.pop(job.handle, None)

@@ -14,6 +14,8 @@ from pipeline.requests import ROLES, Request
 FINISH = {"eos": "stop", "constraint_complete": "stop", "length": "length", "context": "length", "stop": "stop",
           "abort": "abort"}
 MAX_STOPS = 4  # OpenAI's limit on stop strings
+MAX_N = 16  # choices per request (each a sequence of the batch)
+MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}  # OpenAI's limits
 # fields that change nothing in what is generated, accepted as OpenAI accepts them
 INERT = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 COMMON = {"model", "max_tokens", "seed", "stop", "stream", "stream_options", "temperature", "top_p", "top_k", "n",
@@ -57,6 +59,10 @@ class Spec:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    n: int = 1  # choices: sibling sequences sharing the prompt's KV, choice i seeded seed + i
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k best
+    model: str = ""  # the served name the request asked for (answers carry it)
+    draft: str | None = None  # ... and the draft it names (None: the preset's own)
 
 
 def read_body(raw: bytes) -> dict:
@@ -102,14 +108,16 @@ def unsupported(param: str, what: str) -> APIError:
     return APIError(400, f"{param}: {what} is not supported per request yet", param, "unsupported_parameter")
 
 
-def read_spec(body: dict, kind: str, model: str) -> Spec:
-    """Every field of a chat (`kind="chat"`) or completion request checked; raises APIError."""
+def read_spec(body: dict, kind: str, models: dict[str, str | None]) -> Spec:
+    """Every field of a chat (`kind="chat"`) or completion request checked; raises APIError.
+    models: the served names, each with the draft it routes to (None: the preset's own)."""
     unknown = sorted(set(body) - FIELDS[kind])
     if unknown:
         raise bad(unknown[0], "unknown field (docs/serve.md lists the fields this server takes)", "unknown_parameter")
-    if body.get("model") != model:
-        raise APIError(400, f"model: no model {body.get('model')!r} here; this server serves {model!r}", "model",
-                       "model_not_found")
+    model = body.get("model")
+    if not isinstance(model, str) or model not in models:
+        raise APIError(400, f"model: no model {model!r} here; this server serves {', '.join(map(repr, models))}",
+                       "model", "model_not_found")
     if kind == "chat":
         request, chat = Request("chat", *_messages(body.get("messages"))), True
     else:
@@ -118,14 +126,12 @@ def read_spec(body: dict, kind: str, model: str) -> Spec:
     max_tokens = _int(body, "max_tokens", 1)
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         max_tokens = _int(body, "max_completion_tokens", 1)
-    if _int(body, "n", 1) not in (None, 1):
-        raise unsupported("n", "n > 1")
-    if kind == "completion" and _int(body, "best_of", 1) not in (None, 1):
-        raise unsupported("best_of", "best_of > 1")
-    if _flag(body, "logprobs") if kind == "chat" else _int(body, "logprobs", 0):  # completions: a count
-        raise unsupported("logprobs", "logprobs")
-    if body.get("top_logprobs") not in (None, 0):
-        raise unsupported("top_logprobs", "top_logprobs")
+    n = _int(body, "n", 1) or 1
+    if n > MAX_N:
+        raise bad("n", f"must be at most {MAX_N}, got {n}")
+    if kind == "completion" and (_int(body, "best_of", 1) or n) != n:
+        raise unsupported("best_of", "best_of other than n (ranking choices)")
+    logprobs = _logprobs(body, kind)
     for key in ("presence_penalty", "frequency_penalty"):
         if _number(body, key, -2.0, 2.0) not in (None, 0.0):
             raise unsupported(key, key.replace("_", " "))
@@ -144,7 +150,26 @@ def read_spec(body: dict, kind: str, model: str) -> Spec:
     top_k = _int(body, "top_k", -1)  # -1 (vLLM's) or 0: off
     return Spec(kind, request, chat, max_tokens, _int(body, "seed", 0), _stops(body.get("stop")), stream,
                 include_usage, _flag(body, "return_token_ids"), _number(body, "temperature", 0.0),
-                _number(body, "top_p", 0.0, 1.0, open_low=True), None if top_k is None else max(top_k, 0))
+                _number(body, "top_p", 0.0, 1.0, open_low=True), None if top_k is None else max(top_k, 0),
+                n, logprobs, model, models[model])
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """How many top log-probabilities per token the request asks for (None: none). Chat: `logprobs`
+    true and `top_logprobs` k; completions: `logprobs` k."""
+    most = MAX_TOP_LOGPROBS[kind]
+    if kind == "completion":
+        k = _int(body, "logprobs", 0)
+    else:
+        k = _int(body, "top_logprobs", 0)
+        if not _flag(body, "logprobs"):
+            if k:
+                raise bad("top_logprobs", "needs logprobs: true")
+            return None
+        k = k or 0
+    if k is not None and k > most:
+        raise bad("logprobs" if kind == "completion" else "top_logprobs", f"must be at most {most}, got {k}")
+    return k
 
 
 def _text(content, where: str) -> str:
@@ -223,35 +248,61 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _choice(spec: Spec, text: str, finish: str | None, token_ids: list[int] | None, delta: bool,
-            first: bool = False) -> dict:
+def logprobs_object(spec: Spec, entries: list[tuple[str, float, list[tuple[str, float]]]], offset: int) -> dict:
+    """OpenAI's logprobs of a choice (or of a chunk's part of it): entries are (token text, its
+    log-probability, [(text, log-probability)] of the best); offset: the text length before them."""
+    if spec.kind == "chat":
+        item = lambda t, v: {"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}  # noqa: E731
+        return {"content": [{**item(t, v), "top_logprobs": [item(a, b) for a, b in top]} for t, v, top in entries],
+                "refusal": None}
+    offsets = []
+    for t, _, _ in entries:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [v for _, v, _ in entries],
+            "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}
+
+
+def _choice(spec: Spec, index: int, text: str, finish: str | None, token_ids: list[int] | None, delta: bool,
+            first: bool = False, logprobs: dict | None = None) -> dict:
     if spec.kind == "chat":
         body = {"role": "assistant", "content": text} if not delta or first else ({"content": text} if text else {})
-        out = {"index": 0, "delta" if delta else "message": body}
+        out = {"index": index, "delta" if delta else "message": body}
     else:
-        out = {"index": 0, "text": text}
-    out.update(logprobs=None, finish_reason=finish)
+        out = {"index": index, "text": text}
+    out.update(logprobs=logprobs, finish_reason=finish)
     if spec.return_token_ids:
         out["token_ids"] = token_ids or []
     return out
 
 
-def completion(spec: Spec, rid: str, model: str, text: str, finish: str, token_ids: list[int],
-               prompt_tokens: int, speculation: dict) -> dict:
+@dataclass
+class Answer:
+    """One choice of a whole response."""
+    text: str
+    finish: str
+    token_ids: list[int]
+    logprobs: dict | None = None
+
+
+def completion(spec: Spec, rid: str, answers: list[Answer], prompt_tokens: int, speculation: dict) -> dict:
     """The whole response of a request that is not streamed."""
     return {"id": rid, "object": "chat.completion" if spec.kind == "chat" else "text_completion",
-            "created": int(time.time()), "model": model,
-            "choices": [_choice(spec, text, finish, token_ids, delta=False)],
-            "usage": usage(prompt_tokens, len(token_ids)), "speculation": speculation}
+            "created": int(time.time()), "model": spec.model,
+            "choices": [_choice(spec, i, a.text, a.finish, a.token_ids, delta=False, logprobs=a.logprobs)
+                        for i, a in enumerate(answers)],
+            "usage": usage(prompt_tokens, sum(len(a.token_ids) for a in answers)), "speculation": speculation}
 
 
-def chunk(spec: Spec, rid: str, model: str, text: str = "", finish: str | None = None,
+def chunk(spec: Spec, rid: str, index: int = 0, text: str = "", finish: str | None = None,
           token_ids: list[int] | None = None, first: bool = False, speculation: dict | None = None,
-          usage_: dict | None = None, empty: bool = False) -> str:
-    """One server-sent event of a streamed response. `empty`: the usage chunk (no choices)."""
+          usage_: dict | None = None, empty: bool = False, logprobs: dict | None = None) -> str:
+    """One server-sent event of a streamed response, for choice `index`. `empty`: the usage chunk
+    (no choices)."""
     out = {"id": rid, "object": "chat.completion.chunk" if spec.kind == "chat" else "text_completion",
-           "created": int(time.time()), "model": model,
-           "choices": [] if empty else [_choice(spec, text, finish, token_ids, delta=True, first=first)]}
+           "created": int(time.time()), "model": spec.model,
+           "choices": [] if empty else [_choice(spec, index, text, finish, token_ids, delta=True, first=first,
+                                                logprobs=logprobs)]}
     if spec.include_usage:
         out["usage"] = usage_  # null on every chunk but the last, as OpenAI sends it
     if speculation is not None:
