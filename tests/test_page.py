@@ -1,0 +1,116 @@
+"""The chat page (`GET /`, pipeline/server/page.py) in headless Chromium, against a live tree_ngram
+server on the tiny model: a request the server refuses shows its error line and stays out of the
+conversation; a repetitive prompt's streamed answer shows exactly the text the API gives for the
+same request, in one shaded span per engine step whose token counts add up to the completion
+tokens, some steps committing several tokens, and the server's speculation figures. The screenshot
+goes to outputs/tests/page.png."""
+from __future__ import annotations
+
+import contextlib
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+
+from pipeline.server.app import build_server
+from pipeline.server.page import add_page
+
+from helpers import REPO_ROOT, compose_config
+
+INSTALL = "apt-get install -y chromium chromium-driver && pip install selenium (make setup does both as root)"
+webdriver = pytest.importorskip("selenium.webdriver", reason=f"the page test needs selenium: {INSTALL}")
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+if not (CHROMIUM and CHROMEDRIVER):
+    pytest.skip(f"the page test needs Chromium and its driver: {INSTALL}", allow_module_level=True)
+
+from selenium.webdriver.common.by import By  # noqa: E402  (only once selenium is known to be there)
+from selenium.webdriver.common.keys import Keys  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+PROMPT = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3"  # the tiny model repeats itself: n-gram drafts are accepted
+MAX_TOKENS = 48
+
+
+@contextlib.contextmanager
+def live_server(*overrides: str):
+    """A server on a free port of 127.0.0.1, run on a thread of this process."""
+    cfg = compose_config(["model=tiny", "port=0", "~guard", *overrides], config_name="serve")
+    server = build_server(cfg)
+    app = server.config.app
+    if "/" not in {route.path for route in app.routes}:  # until create_app registers the page itself
+        add_page(app)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield server, f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@contextlib.contextmanager
+def chromium():
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1000,760"):
+        opts.add_argument(arg)  # no sandbox: the tests run as root
+    driver = webdriver.Chrome(service=webdriver.ChromeService(CHROMEDRIVER), options=opts)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def ask(driver, prompt: str, max_tokens: str) -> dict:
+    """Sends `prompt` from the page (Enter), waits for its turn to end; returns what the turn shows."""
+    turns = len(driver.find_elements(By.CSS_SELECTOR, ".turn"))
+    field = driver.find_element(By.ID, "max-tokens")
+    field.clear()
+    field.send_keys(max_tokens)
+    driver.find_element(By.ID, "prompt").send_keys(prompt, Keys.ENTER)
+    WebDriverWait(driver, 30).until(lambda d: d.execute_script(
+        "const t = document.querySelectorAll('.turn'); return t.length > arguments[0] && "
+        "t[t.length - 1].dataset.state !== 'streaming'", turns))
+    return driver.execute_script("""
+        const turn = [...document.querySelectorAll('.turn')].pop(), figure = (name) => {
+          const b = turn.querySelector(`[data-figure="${name}"]`); return b && b.textContent; };
+        return {state: turn.dataset.state, text: turn.querySelector('.answer').textContent,
+                steps: [...turn.querySelectorAll('.answer .step')].map((s) => Number(s.dataset.tokens)),
+                error: (turn.querySelector('.error') || {}).textContent, server_steps: figure('server-steps')};""")
+
+
+def test_page_streams_an_answer_shaded_by_step(tmp_path):
+    with live_server("decode=tree_ngram", "batch_size=2") as (_, url), chromium() as driver:
+        driver.get(f"{url}/")
+        WebDriverWait(driver, 10).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#model option"))
+        assert [o.text for o in driver.find_elements(By.CSS_SELECTOR, "#model option")] == ["tiny"]
+
+        refused = ask(driver, "hello", "0")  # the server's 400, as an error line
+        assert refused["state"] == "error" and "max_tokens" in refused["error"], refused
+
+        shown = ask(driver, PROMPT, str(MAX_TOKENS))
+        assert shown["state"] == "done", shown
+        # the same request, whole: the refused turn must not have gone into the conversation
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS})
+        assert r.status_code == 200, r.text
+        want = r.json()
+        assert shown["text"] == want["choices"][0]["message"]["content"]
+        assert shown["steps"] and sum(shown["steps"]) == want["usage"]["completion_tokens"]
+        assert max(shown["steps"]) > 1, shown["steps"]  # speculation committed several tokens in a step
+        assert len(shown["steps"]) == want["speculation"]["steps"] == int(shown["server_steps"])
+        assert [e for e in driver.get_log("browser") if e["source"] == "javascript"] == []  # no script error
+
+        shot = tmp_path / "page.png"
+        assert driver.save_screenshot(str(shot))
+        out = REPO_ROOT / "outputs" / "tests" / "page.png"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, out)
+        print(f"page screenshot: {out}")
