@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup demo test bench peers peer-vllm gpu-check heads clean
+.PHONY: setup browser demo test bench peers peer-vllm gpu-check heads clean
 
 .venv/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -13,8 +13,15 @@ PIP := $(PY) -m pip
 	$(PIP) install -q -e '.[test]'
 	touch $@
 
-setup: .venv/.installed
+setup: .venv/.installed browser
 	$(PY) -m components.model.native  # the fused C++ kernels for this CPU (~1 min once); a failed build says so and falls back
+
+# The page test (tests/test_page.py) drives Debian's Chromium; without it (no root apt-get) the test skips, saying how.
+browser:
+	@if command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	else echo "no chromedriver and no root apt-get: tests/test_page.py will skip (apt-get install chromium chromium-driver)"; fi
 
 demo: setup
 	$(PY) -m pipeline decode=tree_medusa prompt="Explain in three sentences why the sky is blue."

@@ -15,7 +15,6 @@ import httpx
 import pytest
 
 from pipeline.server.app import build_server
-from pipeline.server.page import add_page
 
 from helpers import REPO_ROOT, compose_config
 
@@ -38,9 +37,6 @@ def live_server(*overrides: str):
     """A server on a free port of 127.0.0.1, run on a thread of this process."""
     cfg = compose_config(["model=tiny", "port=0", "~guard", *overrides], config_name="serve")
     server = build_server(cfg)
-    app = server.config.app
-    if "/" not in {route.path for route in app.routes}:  # until create_app registers the page itself
-        add_page(app)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -27,6 +27,7 @@ from pipeline.core import UserError
 from pipeline.metrics import depth_acceptance
 from pipeline.server.admit import Admitter
 from pipeline.server.loop import EngineLoop, Job, Refused
+from pipeline.server.page import add_page
 from pipeline.server.openai_api import (FINISH, Answer, APIError, Spec, chunk, completion, logprobs_object, read_body,
                                         read_spec, response_id, sse, usage)
 from pipeline.streaming import TextStream
@@ -389,6 +390,7 @@ def create_app(service: Service) -> FastAPI:
     async def metrics():
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    add_page(app)  # GET /: the chat page to watch speculation (page.py)
     return app
 
 
