@@ -103,7 +103,7 @@ def stream_tokens(stream) -> tuple[list[int], str, str | None, dict]:
 
 @pytest.fixture(scope="module")
 def greedy():
-    with live_server("decode=greedy", "batch_size=8") as s:
+    with live_server("decode=greedy", "batch_size=8", "drafts=[tree_ngram]") as s:  # tiny:ngram routes to a draft
         yield s
 
 
@@ -140,7 +140,7 @@ def test_greedy_answers_equal_decode(preset, tmp_path, greedy):
 def test_models_health_and_usage_chunk(greedy):
     _, url = greedy
     c = client(url)
-    assert [m.id for m in c.models.list().data] == ["tiny"]
+    assert [m.id for m in c.models.list().data] == ["tiny", "tiny:ngram"]
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     chunks = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
                                             stream=True, stream_options={"include_usage": True}))
@@ -372,3 +372,72 @@ def test_sigterm_drains_and_exits_0(tmp_path):
         if proc.poll() is None:
             proc.kill()
         proc.stderr.close()
+
+
+def test_a_draft_is_routed_by_model_and_stays_lossless(greedy, tmp_path):
+    """The greedy server's `tiny:ngram` drafts with the n-gram proposer, `tiny` does not; both give
+    decode=greedy's tokens, in the same batch."""
+    _, url = greedy
+    prompts = [PROMPTS[2], PROMPTS[1]]
+    want = reference("greedy", prompts, tmp_path)
+
+    async def both():
+        async with client(url, openai.AsyncOpenAI) as c:
+            return await asyncio.gather(*(
+                c.chat.completions.create(model=m, messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS,
+                                          extra_body={"return_token_ids": True})
+                for p in prompts for m in ("tiny", "tiny:ngram")))
+
+    answers = asyncio.run(both())
+    assert [a.choices[0].token_ids for a in answers] == [w for w in want for _ in range(2)]
+    assert [a.model for a in answers] == ["tiny", "tiny:ngram"] * 2
+    plain, drafted = answers[0].model_extra["speculation"], answers[1].model_extra["speculation"]
+    assert plain["mean_accepted_length"] == 1.0 and plain["acceptance_by_depth"] == {}
+    assert drafted["mean_accepted_length"] > 1.5 and drafted["acceptance_by_depth"]["1"] > 0
+
+
+def test_n_choices_are_the_seeded_requests_they_stand_for(greedy, tmp_path):
+    """n = 3 sampled choices: choice i is what the CLI's request seeded seed + i gives (the seeds
+    of a CLI run with the prompt three times), whole and streamed; usage counts every choice."""
+    _, url = greedy
+    want = reference("sample", [PROMPTS[0]] * 3, tmp_path, True, MAX_TOKENS, *HOT_CLI, "seed=5")
+    assert len({tuple(w) for w in want}) > 1, "the seeds gave one answer: the choices check nothing"
+    c, body = client(url), dict(model="tiny", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                max_tokens=MAX_TOKENS, n=3, seed=5, extra_body={"return_token_ids": True, **HOT})
+    r = c.chat.completions.create(**body)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert [ch.token_ids for ch in r.choices] == want
+    assert r.usage.completion_tokens == sum(map(len, want))
+    got, finish = {i: [] for i in range(3)}, {}
+    for ch in c.chat.completions.create(**body, stream=True):
+        for choice in ch.choices:
+            got[choice.index] += choice.model_extra.get("token_ids", [])
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    assert [got[i] for i in range(3)] == want and finish == {0: "length", 1: "length", 2: "length"}
+    assert wait_for(lambda: metric(url, "pipeline_kv_sequences") == 0)
+
+
+def test_logprobs_whole_and_streamed(greedy):
+    """Greedy tokens with their log-probabilities: each chosen token is its row's best, the top
+    list is sorted, the streamed pieces join into the whole answer's; completions give the legacy form."""
+    _, url = greedy
+    c = client(url)
+    body = dict(model="tiny", messages=[{"role": "user", "content": PROMPTS[3]}], max_tokens=12, logprobs=True,
+                top_logprobs=3, extra_body={"return_token_ids": True})
+    r = c.chat.completions.create(**body)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(r.choices[0].token_ids) == 12
+    for entry in content:
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and entry.logprob <= 0
+        assert entry.top_logprobs[0].token == entry.token and entry.logprob == pytest.approx(tops[0])
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+    streamed = [e for ch in c.chat.completions.create(**body, stream=True) if ch.choices and ch.choices[0].logprobs
+                for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    legacy = c.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=6, logprobs=2).choices[0]
+    lp = legacy.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == legacy.text and lp.text_offset[0] == 0
+    assert all(len(t) == 2 and max(t.values()) == pytest.approx(v) for t, v in zip(lp.top_logprobs, lp.token_logprobs))

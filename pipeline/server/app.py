@@ -425,9 +425,10 @@ class Server(uvicorn.Server):
                   file=sys.stderr, flush=True)
 
 
-def build_server(cfg: DictConfig) -> Server:
-    """The server for a composed serve config: the runner built (build_engine checks the config),
-    the configured constraint checked, a short warm-up request, and the app on uvicorn."""
+def build_server(cfg: DictConfig, backbone=None) -> Server:
+    """The server for a composed serve config: the runner built (build_engine checks the config;
+    `backbone`: one already loaded), the configured constraint checked, a short warm-up request,
+    and the app on uvicorn."""
     for key in ("input", "prompt"):
         if cfg.get(key) is not None:
             raise UserError(f"the server takes its prompts over HTTP: drop {key}=")
@@ -435,7 +436,7 @@ def build_server(cfg: DictConfig) -> Server:
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise UserError(f"port must be an int in 0..65535 (0: any free port), got {port!r}")
     check_constraint(constraint_node(cfg))
-    runner, backbone = build_engine(cfg, with_constraint=False)  # each request's constraint is passed
+    runner, backbone = build_engine(cfg, backbone, with_constraint=False)  # each request's constraint is passed
     if cfg.get("warmup", True):  # first-call costs (allocation, MKL set-up) stay out of the first request
         runner.run([backbone.tokenizer.encode("Hello", add_special_tokens=False)],
                    max_new_tokens=min(4, runner.max_new_tokens))
