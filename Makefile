@@ -40,7 +40,7 @@ AVX512 := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo ON || echo 
 peers: setup peer-vllm
 	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	  -DGGML_AVX512=$(AVX512) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
-	  $(PIP) install llama-cpp-python==0.3.36
+	  $(PIP) install 'llama-cpp-python[server]==0.3.36'  # [server]: sse-starlette, starlette-context, pydantic-settings (loadtest server=llama_cpp)
 
 # Optional benchmark peer: vLLM's CPU build, in its own venv (~3.5 GB; it pins its own torch and
 # transformers). torch pinned to the CPU wheel (unpinned, pip pulls a multi-GB CUDA build); the

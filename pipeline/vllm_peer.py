@@ -104,6 +104,14 @@ def hf_folder(model_cfg, backbone, scratch: Path) -> Path:
     return out
 
 
+def vllm_env(threads: int) -> dict[str, str]:
+    """vLLM's environment: its KV cache space, and its compute on `threads` cores (vLLM's own default
+    binds all cores but one, kept for its front end)."""
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GB), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "OMP_NUM_THREADS": str(threads),
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
 class VllmPeer:
     """vLLM behind the Engine's interface: `run(prompts, seeds) -> list[Generation]`."""
 
@@ -123,9 +131,7 @@ class VllmPeer:
                     "speculative_config": speculative}
         # vLLM's own defaults bind its compute to all cores but one (kept for its front end): give it
         # the thread count our pipelines get
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GB), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-               "VLLM_CPU_OMP_THREADS_BIND": f"0-{self.threads - 1}", "OMP_NUM_THREADS": str(self.threads),
-               "TOKENIZERS_PARALLELISM": "false"}
+        env = vllm_env(self.threads)
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
