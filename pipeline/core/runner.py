@@ -118,7 +118,8 @@ class Runner(ABC):
             positive_int(request.max_new_tokens, "max_new_tokens")
         given = [k for k in REQUEST_OPTIONS if getattr(request, k) is not None]
         if given and not self.per_request:
-            raise UserError(f"{type(self).__name__} takes no per-request {given[0]}")
+            what = {"sampling": "sampling knobs", "sibling_of": "siblings (n > 1)"}.get(given[0], given[0])
+            raise UserError(f"{type(self).__name__} takes no per-request {what}")
         if request.sampling is not None and not isinstance(request.sampling, SamplingParams):
             raise UserError(f"a request's sampling must be SamplingParams, got {request.sampling!r}")
         if request.logprobs is not None and (not isinstance(request.logprobs, int) or isinstance(request.logprobs, bool)
