@@ -9,6 +9,10 @@ exactly what a Medusa head reads. A sample is
 The answers are stored in parts with the config that made them (`config.json`, `manifest.json`:
 answers and tokens so far) and reused by every run with that config, whatever its size.
 
+For an EAGLE-3 draft (`fuse_layers`, another config key) hidden[i] is [the fused layers' states |
+the last state], kept by the same forward (`Transformer.tap`). Shard jobs (`shard`, `num_shards`)
+each make their cells of the parts grid (`todo`); a job without a shard reads them all.
+
 With `context=True` (an EAGLE draft that reads the prompt, `data.context=true`) every part also gets
 a `context-*` file: the prompt's pairs, ctx_hidden[p] = h at prompt position p and ctx_tokens[p] =
 the prompt token after it (p = 0..P-2; position P-1's state is the answer's hidden[0]), computed by
@@ -114,10 +118,9 @@ def todo(out: Path, n: int, chunk: int, shard: int | None = None, num_shards: in
     num_shards cuts on the grid of `chunk` cells from answer 0 and takes the cells k with
     k % num_shards == i: shard jobs write disjoint parts, and for a set made from scratch exactly
     the parts one job writes."""
-    held = torch.zeros(n + 1, dtype=torch.bool)
-    held[n] = True  # a sentinel: every run ends
+    held = [False] * n + [True]  # a sentinel: every run ends
     for a, b, _ in parts(out):
-        held[a:min(b, n)] = True
+        held[a:min(b, n)] = [True] * max(0, min(b, n) - a)
     cells = [(0, n)] if shard is None else [(k * chunk, min((k + 1) * chunk, n))
                                            for k in range(shard, -(-n // chunk), num_shards)]
     ranges = []

@@ -18,6 +18,14 @@ and to its own earlier depths, exactly the cache a drafted chain sees.
 The layer starts as a copy of the backbone's last block (de-quantized), the projection as
 [identity | 0]: at step 0 the draft already predicts roughly what the last block would
 (`heads.init=<draft.safetensors>` starts from a trained draft instead).
+
+EAGLE-3's feature fusion (`heads.fuse_layers`, `resolve_fuse_layers`): the feature of a committed
+position is fuse(concat(the backbone's states entering a low, a middle and a high block)), a linear
+k dim -> dim starting as the highest of them; the backbone keeps those states in its normal forward
+(`Transformer.tap`) and the engine and the data hand [those states | the last state] per position,
+(k + 1) dim wide (`features`). Drafting deeper reads the draft's own predictions as before. Its
+training is EAGLE-3's: the training-time test on the tokens, the feature term off unless asked
+(`module.feature_weight`). `fuse_layers: null` is the EAGLE-1/2 draft, tensor for tensor.
 """
 from __future__ import annotations
 
