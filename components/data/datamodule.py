@@ -1,13 +1,14 @@
 """LightningDataModule over the self-distillation set: (hidden state, K future targets) pairs for
 Medusa heads, or whole answers (hidden states and tokens, padded per batch) for an EAGLE draft
-(`sequences: true`, set by heads=eagle)."""
+(`sequences: true`, set by heads=eagle; an EAGLE-3 draft's states carry its fused layers too)."""
 from __future__ import annotations
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from components.data.self_distill import DistillSet, build_self_distill
+from components.data.self_distill import DistillSet, build_self_distill, covered, make_self_distill
+from components.heads.eagle import resolve_fuse_layers
 from pipeline.core import positive_int
 
 
@@ -59,14 +60,25 @@ class DistillDataModule(L.LightningDataModule):
     def __init__(self, backbone, num_heads: int, max_samples: int = 1600, max_new_tokens: int = 160,
                  gen_batch_size: int = 48, batch_size: int = 256, val_fraction: float = 0.05,
                  prompt_seed: int = 0, root: str = "outputs/data", chat: bool = True, num_workers: int = 0,
-                 sequences: bool = False, answers_per_batch: int = 16, context: bool = False):
+                 sequences: bool = False, answers_per_batch: int = 16, context: bool = False,
+                 fuse_layers: list[int] | str | None = None, save_every: int = 8, shard: int | None = None,
+                 num_shards: int = 1, only: bool = False):
+        """fuse_layers: the layers an EAGLE-3 draft fuses (heads.fuse_layers), stored with each state.
+        shard / num_shards: this job makes only that shard's parts of the set (self_distill.todo);
+        only: make the data and stop (shard jobs; `make`), the training then reads every shard's parts."""
         super().__init__()
         if not 0 < val_fraction < 1:
             raise ValueError(f"`data.val_fraction` must be in (0, 1), got {val_fraction}")
         positive_int(batch_size, "data.batch_size")
         self.backbone, self.num_heads = backbone, num_heads
-        self.gen_kw = dict(max_samples=max_samples, max_new_tokens=max_new_tokens, batch_size=gen_batch_size,
-                           prompt_seed=prompt_seed, root=root, chat=chat, context=bool(context))
+        fuse = resolve_fuse_layers(fuse_layers, backbone.model.args.n_layers)
+        if fuse is not None and not sequences:
+            raise ValueError("`data.fuse_layers` is for EAGLE-3 drafts (heads=eagle heads.fuse_layers=...): Medusa heads read one state")
+        self.make_kw = dict(max_samples=max_samples, max_new_tokens=max_new_tokens, batch_size=gen_batch_size,
+                            prompt_seed=prompt_seed, root=root, chat=chat, save_every=save_every, fuse_layers=fuse,
+                            shard=shard, num_shards=num_shards)
+        self.gen_kw = dict(self.make_kw, context=bool(context))
+        self.only = bool(only)
         if context and not sequences:
             raise ValueError("`data.context=true` is for EAGLE drafts (heads=eagle): Medusa heads read one state")
         self.batch_size, self.val_fraction, self.num_workers = batch_size, val_fraction, num_workers
@@ -76,8 +88,15 @@ class DistillDataModule(L.LightningDataModule):
     def build(self) -> DistillSet:
         return build_self_distill(self.backbone, **self.gen_kw)
 
+    def make(self) -> dict:
+        """Data only (`data.only=true`): this job's parts (its shard's, or all), no reading. Returns
+        where the set is and how much of it exists."""
+        out, _ = make_self_distill(self.backbone, **self.make_kw)
+        return {"data_dir": str(out), "answers": covered(out), "asked": self.make_kw["max_samples"],
+                "shard": self.make_kw["shard"], "num_shards": self.make_kw["num_shards"]}
+
     def prepare_data(self):  # rank 0 generates; the others wait and load in setup
-        self.build()
+        self.make() if self.only else self.build()
 
     def setup(self, stage=None):
         train, val = self.build().split(self.val_fraction)

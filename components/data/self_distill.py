@@ -9,6 +9,10 @@ exactly what a Medusa head reads. A sample is
 The answers are stored in parts with the config that made them (`config.json`, `manifest.json`:
 answers and tokens so far) and reused by every run with that config, whatever its size.
 
+For an EAGLE-3 draft (`fuse_layers`, another config key) hidden[i] is [the fused layers' states |
+the last state], kept by the same forward (`Transformer.tap`). Shard jobs (`shard`, `num_shards`)
+each make their cells of the parts grid (`todo`); a job without a shard reads them all.
+
 With `context=True` (an EAGLE draft that reads the prompt, `data.context=true`) every part also gets
 a `context-*` file: the prompt's pairs, ctx_hidden[p] = h at prompt position p and ctx_tokens[p] =
 the prompt token after it (p = 0..P-2; position P-1's state is the answer's hidden[0]), computed by
@@ -21,6 +25,7 @@ import fcntl
 import hashlib
 import json
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,14 +75,27 @@ class DistillSet:
 
 
 def generate_batch(backbone, prompts: list[list[int]], max_new_tokens: int,
-                   batch_size: int | None = None, kv=None) -> list[tuple[list[int], torch.Tensor]]:
+                   batch_size: int | None = None, kv=None, taps: tuple[int, ...] = ()) -> list[tuple[list[int], torch.Tensor]]:
     """Greedy answers of the prompts with the hidden state before each token, decoded by the core
-    engine `batch_size` at a time (default: all together) with continuous batching."""
+    engine `batch_size` at a time (default: all together) with continuous batching. With `taps`
+    (EAGLE-3's fused layers) each state is [those layers' states | the last], from the same forward."""
     engine = Engine(backbone.model, kv or PagedKV(backbone), Sampler(do_sample=False), backbone.eos_ids,
                     max_new_tokens, batch_size=batch_size or len(prompts))
     hidden: list[list[torch.Tensor]] = [[] for _ in prompts]
-    gens = engine.run(prompts, on_tokens=lambda i, ids, h: hidden[i].append(h.to(torch.bfloat16)))
+    with tapping(backbone.model, taps):
+        gens = engine.run(prompts, on_tokens=lambda i, ids, h: hidden[i].append(h.to(torch.bfloat16)))
     return [(g.token_ids, torch.cat(hs)) for g, hs in zip(gens, hidden)]
+
+
+@contextmanager
+def tapping(model, taps: tuple[int, ...]):
+    """The model keeps the states of `taps` (llama.Transformer.tap) inside the block, as it did after."""
+    before = model.taps
+    model.tap(taps)
+    try:
+        yield
+    finally:
+        model.tap(before)
 
 
 def data_dir(root: str | Path, config: dict) -> Path:
@@ -94,6 +112,32 @@ def parts(out: Path) -> list[tuple[int, int, Path]]:
     return sorted((int(m[1]), int(m[2]), p) for m, p in found if m)
 
 
+def todo(out: Path, n: int, chunk: int, shard: int | None = None, num_shards: int = 1) -> list[tuple[int, int]]:
+    """The answer ranges of the first n that no part holds yet, one part each. One job cuts each
+    missing run into `chunk`s from its start (a set grows from where it stops). Shard i of
+    num_shards cuts on the grid of `chunk` cells from answer 0 and takes the cells k with
+    k % num_shards == i: shard jobs write disjoint parts, and for a set made from scratch exactly
+    the parts one job writes."""
+    held = [False] * n + [True]  # a sentinel: every run ends
+    for a, b, _ in parts(out):
+        held[a:min(b, n)] = [True] * max(0, min(b, n) - a)
+    cells = [(0, n)] if shard is None else [(k * chunk, min((k + 1) * chunk, n))
+                                           for k in range(shard, -(-n // chunk), num_shards)]
+    ranges = []
+    for lo, hi in cells:
+        i = lo
+        while i < hi:
+            if held[i]:
+                i += 1
+                continue
+            j = i
+            while j < hi and not held[j]:
+                j += 1
+            ranges += [(a, min(a + chunk, j)) for a in range(i, j, chunk)]
+            i = j
+    return ranges
+
+
 def covered(out: Path) -> int:
     """How many prompts from the start of the order have saved answers (the contiguous prefix)."""
     end = 0
@@ -106,25 +150,24 @@ def covered(out: Path) -> int:
 
 def build_self_distill(backbone, max_samples: int = 2000, max_new_tokens: int = 192, batch_size: int = 16,
                        prompt_seed: int = 0, root: str = "outputs/data", chat: bool = True,
-                       save_every: int = 8, context: bool = False) -> DistillSet:
+                       save_every: int = 8, context: bool = False, fuse_layers: list[int] | None = None,
+                       shard: int | None = None, num_shards: int = 1) -> DistillSet:
     """The backbone's answers to the first `max_samples` training prompts, generated where missing.
 
     One directory holds every answer made with one generation config (model, precision, answer
-    length, prompt order, filter); its size is not part of that config, so asking for more answers
-    generates only the new ones and a smaller request reads a prefix. Answers are saved in parts of
-    `save_every` x `batch_size` prompts, so an interrupted job resumes where it stopped."""
-    for name, v in (("max_samples", max_samples), ("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
-        positive_int(v, f"data.{name}")
-    config = {"model": backbone.name, "fingerprint": backbone.model.fingerprint(), "precision": backbone.precision,
-              "max_new_tokens": max_new_tokens, "prompt_seed": prompt_seed, "chat": chat, "decoding": "greedy",
-              "prompt_filter": prompt_filter()}
-    out = data_dir(root, config)
-    if covered(out) < max_samples:
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / ".lock", "w") as lock:  # one process generates; others (DDP ranks) wait, then load
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            _generate(backbone, out, config, max_samples, batch_size * save_every, batch_size)
-    _note(out)
+    length, prompt order, filter, and the fused layers an EAGLE-3 draft reads when it asks for
+    them); its size is not part of that config, so asking for more answers generates only the new
+    ones and a smaller request reads a prefix. Answers are saved in parts of `save_every` x
+    `batch_size` prompts, so an interrupted job resumes where it stopped. With `fuse_layers` each
+    state is [those layers' states | the last one] ((len + 1) dim wide), from the same forward.
+    `shard` (of `num_shards`) makes only that shard's parts (`make_self_distill`), then reads the
+    set, which needs every shard's parts."""
+    out, config = make_self_distill(backbone, max_samples, max_new_tokens, batch_size, prompt_seed, root, chat,
+                                    save_every, fuse_layers, shard, num_shards)
+    if covered(out) < max_samples and shard is not None:
+        raise UserError(f"{out}: shard {shard} of {num_shards} is made, {covered(out)} of {max_samples} answers are: "
+                        "run the other shards (data.shard=...) or one job without data.shard, then train; "
+                        "data.only=true makes a shard job stop after its data")
     ds = _first(out, max_samples)
     if context:
         with open(out / ".lock", "w") as lock:
@@ -134,19 +177,49 @@ def build_self_distill(backbone, max_samples: int = 2000, max_new_tokens: int = 
     return ds
 
 
+def make_self_distill(backbone, max_samples: int = 2000, max_new_tokens: int = 192, batch_size: int = 16,
+                      prompt_seed: int = 0, root: str = "outputs/data", chat: bool = True, save_every: int = 8,
+                      fuse_layers: list[int] | None = None, shard: int | None = None,
+                      num_shards: int = 1) -> tuple[Path, dict]:
+    """Generate the missing parts of the first `max_samples` answers (only shard `shard`'s, of
+    `num_shards`, when given: see `todo`); returns the set's directory and generation config."""
+    for name, v in (("max_samples", max_samples), ("max_new_tokens", max_new_tokens), ("batch_size", batch_size),
+                    ("save_every", save_every), ("num_shards", num_shards)):
+        positive_int(v, f"data.{name}")
+    if shard is not None and (isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < num_shards):
+        raise UserError(f"data.shard must be an int in 0..{num_shards - 1} (data.num_shards={num_shards}), got {shard!r}")
+    config = {"model": backbone.name, "fingerprint": backbone.model.fingerprint(), "precision": backbone.precision,
+              "max_new_tokens": max_new_tokens, "prompt_seed": prompt_seed, "chat": chat, "decoding": "greedy",
+              "prompt_filter": prompt_filter()}
+    if fuse_layers is not None:  # only then: the sets made before fusion keep their key
+        config["fuse_layers"] = [int(i) for i in fuse_layers]
+    out = data_dir(root, config)
+    chunk, mine = batch_size * save_every, (shard, num_shards)
+    if todo(out, max_samples, chunk, *mine):
+        out.mkdir(parents=True, exist_ok=True)
+        # one process per shard generates; others (DDP ranks) wait, then load. Shards write disjoint parts.
+        with open(out / (".lock" if shard is None else f".lock-{shard}-of-{num_shards}"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            _generate(backbone, out, config, todo(out, max_samples, chunk, *mine), batch_size)
+    if covered(out):
+        _note(out)
+    return out, config
+
+
 def build_context(backbone, out: Path, config: dict, n: int, batch_size: int = 16) -> None:
     """The `context-*` file of every answer part that holds one of the first n answers and has none:
     the prompts prefilled `batch_size` at a time (one packed causal step, as the engine prefills),
     each prompt's pairs (h_p, prompt[p + 1]) for p < P - 1 saved; its last state must be the
     answer's hidden[0] (same model, precision and prompt), else the set is not this config's."""
-    todo = [(a, b, p) for a, b, p in parts(out) if a < n and not _sibling(p, "context").is_file()]
-    if not todo:
+    missing = [(a, b, p) for a, b, p in parts(out) if a < n and not _sibling(p, "context").is_file()]
+    if not missing:
         return
     model, tok = backbone.model, backbone.tokenizer
-    prompts = training_prompts(max(b for _, b, _ in todo), seed=config["prompt_seed"])
+    taps = tuple(config.get("fuse_layers", ()))
+    prompts = training_prompts(max(b for _, b, _ in missing), seed=config["prompt_seed"])
     kv = ContiguousKV(backbone)
-    bar = tqdm(total=sum(b - a for a, b, _ in todo), desc="prompt context", unit="prompt")
-    for a, b, path in todo:
+    bar = tqdm(total=sum(b - a for a, b, _ in missing), desc="prompt context", unit="prompt")
+    for a, b, path in missing:
         with safe_open(path, "pt") as f:  # each answer's first state only, not the whole part
             offsets, rows = f.get_tensor("offsets"), f.get_slice("hidden")
             first = {i: rows[int(o):int(o) + 1][0].float() for i, o in enumerate(offsets[:-1]) if offsets[i + 1] > o}
@@ -156,8 +229,9 @@ def build_context(backbone, out: Path, config: dict, n: int, batch_size: int = 1
             seqs = [kv.create() for _ in encoded]
             step = StepBatch.build(seqs, [torch.tensor(e) for e in encoded], [None] * len(seqs), [None] * len(seqs),
                                    [0] * len(seqs), model.attn_dtype)
-            with torch.inference_mode():
-                h = forward_step(model, kv, step).to(torch.bfloat16)
+            with torch.inference_mode(), tapping(model, taps):
+                h = forward_step(model, kv, step)
+                h = (h if not taps else torch.cat((model.tapped, h), dim=-1)).to(torch.bfloat16)  # as the answers
             for k, (e, q) in enumerate(zip(encoded, seqs)):
                 kv.free(q)
                 hk = h[step.offsets[k]:step.offsets[k + 1]]
@@ -182,19 +256,19 @@ def _note(out: Path) -> None:
     atomic_write(path, json.dumps({"answers": answers, "tokens": tokens}, indent=2))
 
 
-def _generate(backbone, out: Path, config: dict, max_samples: int, chunk: int, batch_size: int) -> None:
-    done = covered(out)
-    if done >= max_samples:
+def _generate(backbone, out: Path, config: dict, ranges: list[tuple[int, int]], batch_size: int) -> None:
+    """One part per answer range [start, end)."""
+    if not ranges:
         return
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    prompts = training_prompts(max_samples, seed=config["prompt_seed"])
+    atomic_write(out / "config.json", json.dumps(config, indent=2))
+    prompts = training_prompts(max(end for _, end in ranges), seed=config["prompt_seed"])
     tok = backbone.tokenizer
-    bar = tqdm(total=max_samples, initial=done, desc="self-distill", unit="answer")
-    for start in range(done, max_samples, chunk):
-        end = min(start + chunk, max_samples)
+    taps = tuple(config.get("fuse_layers", ()))
+    bar = tqdm(total=sum(end - start for start, end in ranges), desc="self-distill", unit="answer")
+    for start, end in ranges:
         encoded = [encode_chat(tok, None, p, config["chat"]) for p in prompts[start:end]]
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths pad less
-        answers = generate_batch(backbone, [encoded[i] for i in order], config["max_new_tokens"], batch_size)
+        answers = generate_batch(backbone, [encoded[i] for i in order], config["max_new_tokens"], batch_size, taps=taps)
         samples = [None] * len(encoded)
         for i, a in zip(order, answers):
             samples[i] = a  # saved in prompt order, so any prefix of the set is well defined

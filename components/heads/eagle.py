@@ -18,6 +18,14 @@ and to its own earlier depths, exactly the cache a drafted chain sees.
 The layer starts as a copy of the backbone's last block (de-quantized), the projection as
 [identity | 0]: at step 0 the draft already predicts roughly what the last block would
 (`heads.init=<draft.safetensors>` starts from a trained draft instead).
+
+EAGLE-3's feature fusion (`heads.fuse_layers`, `resolve_fuse_layers`): the feature of a committed
+position is fuse(concat(the backbone's states entering a low, a middle and a high block)), a linear
+k dim -> dim starting as the highest of them; the backbone keeps those states in its normal forward
+(`Transformer.tap`) and the engine and the data hand [those states | the last state] per position,
+(k + 1) dim wide (`features`). Drafting deeper reads the draft's own predictions as before. Its
+training is EAGLE-3's: the training-time test on the tokens, the feature term off unless asked
+(`module.feature_weight`). `fuse_layers: null` is the EAGLE-1/2 draft, tensor for tensor.
 """
 from __future__ import annotations
 
@@ -38,15 +46,40 @@ FORMAT = checkpoint.Format(name="llm-decode-eagle-v1", key="eagle", kind="draft"
                            train="python -m pipeline.train heads=eagle", fix="retrain it", frozen="lm_weight")
 
 
+def resolve_fuse_layers(spec, n_layers: int) -> tuple[int, ...] | None:
+    """`heads.fuse_layers`: null (no fusion: EAGLE-1/2's last-layer features), auto, or a list of
+    layers in 0..n_layers (the input of each block, n_layers: the last block's output). auto is
+    EAGLE-3's choice, the inputs of blocks 2, n // 2 and n - 3 (a low, a middle and a high layer);
+    a backbone under 7 layers has no three such: 0, n // 2 and n (distinct ones only)."""
+    if spec is None:
+        return None
+    if spec == "auto":
+        return tuple(sorted({2, n_layers // 2, n_layers - 3} if n_layers >= 7 else {0, n_layers // 2, n_layers}))
+    if isinstance(spec, str) or not all(isinstance(i, int) and not isinstance(i, bool) for i in spec) or not spec:
+        raise UserError(f"`heads.fuse_layers` must be null, auto or a list of layer indices, got {spec!r}")
+    if any(not 0 <= i <= n_layers for i in spec) or len(set(spec)) != len(spec):
+        raise UserError(f"`heads.fuse_layers` must list distinct layers in 0..{n_layers} (this backbone's depth), got {list(spec)}")
+    return tuple(int(i) for i in spec)
+
+
 class EagleDraft(nn.Module):
-    def __init__(self, args, vocab_ids: torch.Tensor, lm_weight: torch.Tensor, embedding: torch.Tensor):
+    def __init__(self, args, vocab_ids: torch.Tensor, lm_weight: torch.Tensor, embedding: torch.Tensor,
+                 fuse_layers: tuple[int, ...] | None = None):
         """args: the backbone's LlamaArgs (the layer takes its block shape); vocab_ids (V',) draft
         vocabulary; lm_weight (V', dim) the backbone LM head rows for it; embedding (vocab, dim) the
-        backbone's token embedding. The last three are frozen buffers, never stored in checkpoints."""
+        backbone's token embedding. The last three are frozen buffers, never stored in checkpoints.
+        fuse_layers: EAGLE-3's fusion, the backbone layers whose states (concatenated) a linear
+        `fuse` (k dim -> dim) turns into the feature of a committed position; None: the last state."""
         super().__init__()
         self.args = replace(args, n_layers=1)
         dim = args.dim
         self.dim, self.num_heads = dim, 1
+        self.fuse_layers = None if fuse_layers is None else tuple(fuse_layers)
+        if self.fuse_layers is not None:
+            self.fuse = nn.Linear(len(self.fuse_layers) * dim, dim, bias=False)
+            with torch.no_grad():  # starts as the highest layer's state: the one nearest the last block's input
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, -dim:] = torch.eye(dim)
         self.fc = nn.Linear(2 * dim, dim, bias=False)
         self.block = Block(self.args, 0)
         self.norm = RMSNorm(dim, args.norm_eps)
@@ -62,7 +95,11 @@ class EagleDraft(nn.Module):
         self._lm_t: torch.Tensor | None = None
         self._lm_q4: nn.Module | None = None  # quantize_for_decoding
 
-    STORED = ("fc.weight", "norm.weight", "vocab_ids")  # plus every block.* tensor
+    STORED = ("fc.weight", "norm.weight", "vocab_ids")  # plus every block.* tensor, and fuse.weight when fused
+
+    @property
+    def fused(self) -> bool:
+        return self.fuse_layers is not None
 
     def init_from(self, block: nn.Module, norm: nn.Module) -> None:
         """Start the layer as a copy of a backbone block (de-quantized) and its final norm."""
@@ -80,9 +117,25 @@ class EagleDraft(nn.Module):
         half = sin.shape[-1] // 2
         return emb.cos(), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
+    def features(self, feats: torch.Tensor) -> torch.Tensor:
+        """The f_t a row reads (..., dim) from what it is given: a predicted feature (dim wide) as it
+        is; the target's states of a committed position, [fused layers' states | last state]
+        ((k + 1) dim, `pipeline.core.engine` and the data hand them so), fused by `fuse`, or for an
+        unfused draft the last state alone."""
+        feats, dim = feats.float(), self.dim
+        if feats.shape[-1] == dim:
+            return feats
+        if not self.fused:
+            return feats[..., -dim:]
+        k = len(self.fuse_layers) * dim
+        if feats.shape[-1] != k + dim:
+            raise ValueError(f"a fused draft over layers {list(self.fuse_layers)} reads states {k + dim} wide "
+                             f"(those layers' and the last), got {feats.shape[-1]}: the backbone keeps other layers")
+        return self.fuse(feats[..., :k])
+
     def inputs(self, feats: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """concat(f_t, embed(y_{t+1})) projected: (..., dim)."""
-        return self.fc(torch.cat((feats.float(), self.embedding[tokens]), dim=-1))
+        return self.fc(torch.cat((self.features(feats), self.embedding[tokens]), dim=-1))
 
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Training / reference: feats (B, T, dim) = f_t, tokens (B, T) = y_{t+1}, causal within each
@@ -147,9 +200,10 @@ class EagleDraft(nn.Module):
         a depth costs a fraction of a verification row. A draft's rounding moves which tokens are
         proposed, never which are committed. Not for training (the matrices are no longer parameters)."""
         device = self.lm_weight.device
-        fc = Int4.quantized(self.fc.weight, device)  # the input projection, (dim, 2 dim)
-        if fc is not None:
-            self.fc = fc
+        for name in ("fc", "fuse") if self.fused else ("fc",):  # the input projections, (dim, 2 dim) and (dim, k dim)
+            q4 = Int4.quantized(getattr(self, name).weight, device)
+            if q4 is not None:
+                setattr(self, name, q4)
         for name in Block.MATRICES:
             q4 = Int4.quantized(getattr(self.block, name).dense().t(), device)
             if q4 is not None:
@@ -176,14 +230,20 @@ class EagleDraft(nn.Module):
     # --- checkpoints: components/heads/checkpoint.py --------------------------------------------
     def save(self, path: str | Path, meta: dict) -> Path:
         """Weights in bfloat16 (half the file; a draft's rounding only moves acceptance, never tokens)."""
-        return checkpoint.save(self, path, FORMAT, {"dim": self.dim, "kind": "eagle", **meta}, torch.bfloat16)
+        fused = {} if not self.fused else {"fuse_layers": list(self.fuse_layers)}  # an unfused draft's header as before
+        return checkpoint.save(self, path, FORMAT, {"dim": self.dim, "kind": "eagle", **fused, **meta}, torch.bfloat16)
 
     @classmethod
     def load(cls, path: str | Path, backbone) -> "EagleDraft":
         info, tensors = checkpoint.read(path, FORMAT, backbone,
                                         others={"medusa": "a Medusa head checkpoint (use proposer=medusa)"})
         vocab_ids = tensors["vocab_ids"]
-        draft = cls(backbone.model.args, vocab_ids, draft_lm_weight(backbone, vocab_ids), backbone_embedding(backbone))
+        fuse = info.get("fuse_layers")
+        if fuse is not None and any(not 0 <= i <= backbone.model.args.n_layers for i in fuse):
+            raise UserError(f"EAGLE draft {path} fuses layers {fuse}, beyond this backbone's {backbone.model.args.n_layers}: "
+                            "it was trained on another backbone")
+        draft = cls(backbone.model.args, vocab_ids, draft_lm_weight(backbone, vocab_ids), backbone_embedding(backbone),
+                    None if fuse is None else tuple(fuse))
         checkpoint.load_state(draft, tensors, path, FORMAT)
         draft.info = info
         return draft.to(backbone.model.device).eval().requires_grad_(False)
@@ -194,18 +254,23 @@ def backbone_embedding(backbone) -> torch.Tensor:
 
 
 def build_eagle(backbone, token_counts: torch.Tensor, draft_vocab: int | None = 8192, init: str = "last_block",
-                num_heads: int = 1) -> EagleDraft:
+                num_heads: int = 1, fuse_layers=None) -> EagleDraft:
     """The `heads=eagle` target: a fresh draft for a backbone, its draft vocabulary chosen from the
     training answers' token counts (V,); init = last_block (a copy of the backbone's last block),
-    random, or the path of a trained draft (.safetensors) to go on training (its vocabulary kept)."""
+    random, or the path of a trained draft (.safetensors) to go on training (its vocabulary kept).
+    fuse_layers: `resolve_fuse_layers` (EAGLE-3's fusion; null: EAGLE-1/2's last-layer features)."""
+    fuse = resolve_fuse_layers(fuse_layers, backbone.model.args.n_layers)
     if init not in ("last_block", "random"):
         if not str(init).endswith(".safetensors"):
             raise UserError(f"`heads.init` must be last_block, random or a draft .safetensors path, got {init!r}")
         draft = EagleDraft.load(init, backbone)  # strict: a missing tensor or another backbone is an error
+        if draft.fuse_layers != fuse:
+            raise UserError(f"heads.init={init} fuses layers {draft.fuse_layers}, heads.fuse_layers asks for {fuse}: "
+                            "set heads.fuse_layers to the draft's")
         return draft.train().requires_grad_(True)
     vocab_ids = select_draft_vocab(token_counts, draft_vocab, backbone.eos_ids)
     model = backbone.model
-    draft = EagleDraft(model.args, vocab_ids, draft_lm_weight(backbone, vocab_ids), backbone_embedding(backbone))
+    draft = EagleDraft(model.args, vocab_ids, draft_lm_weight(backbone, vocab_ids), backbone_embedding(backbone), fuse)
     if init == "last_block":
         draft.init_from(model.layers[-1], model.norm)
     return draft

@@ -236,6 +236,8 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(args).float(), persistent=False)
         self.head_q8: nn.Module | None = None  # q4 mode: the LM head in 8 bits where measured faster
         self.native = None  # the fused kernels' module (`use_native`), None: the pure-torch path
+        self.taps: tuple[int, ...] = ()  # layers whose input states a full forward keeps (`tap`)
+        self.tapped: torch.Tensor | None = None  # (..., len(taps) dim): those states, of the last full forward
 
     @property
     def dtype(self) -> torch.dtype:
@@ -290,8 +292,33 @@ class Transformer(nn.Module):
                                                enable_gqa=self.args.n_kv_heads != self.args.n_heads)
             return y.transpose(1, 2).reshape(B, T, -1)
 
-        for i in (range(len(self.layers)) if layers is None else layers):
-            x = self.layers[i](x, cos, sin, attend)
+        return self._blocks(x, layers, lambda i, x: self.layers[i](x, cos, sin, attend))
+
+    def tap(self, layers) -> None:
+        """Keep, on every full forward (all blocks: not a layer-skipping draft's), the states entering
+        the given blocks in `tapped`, concatenated in this order (EAGLE-3's feature fusion: Hugging
+        Face's hidden_states[i], i in 0..n_layers, n_layers being the last block's output before the
+        final norm). An empty tuple keeps none: the plain forward's cost."""
+        layers = tuple(int(i) for i in layers)
+        if any(not 0 <= i <= self.args.n_layers for i in layers):
+            raise ValueError(f"tapped layers must lie in 0..{self.args.n_layers} (the input of each block, "
+                             f"then the last block's output), got {list(layers)}")
+        self.taps, self.tapped = layers, None
+
+    def _blocks(self, x: torch.Tensor, layers: list[int] | None, block) -> torch.Tensor:
+        """x through block(i, x) for the layers run, then the final norm; a full forward keeps the
+        tapped layers' inputs (`tap`) on the way."""
+        if not self.taps or layers is not None:
+            for i in (range(len(self.layers)) if layers is None else layers):
+                x = block(i, x)
+            return self.norm(x)
+        kept = {}
+        for i in range(len(self.layers)):
+            if i in self.taps:
+                kept[i] = x
+            x = block(i, x)
+        kept[len(self.layers)] = x
+        self.tapped = torch.cat([kept[i] for i in self.taps], dim=-1)
         return self.norm(x)
 
     def step(self, batch: StepBatch, kv, layers: list[int] | None = None) -> torch.Tensor:
@@ -308,17 +335,16 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(batch.tokens)[None]  # (1, R, dim): every row of every sequence
         cos, sin = self.rope(batch.positions[None], x.dtype)
         attend = cached_attention(batch, kv, self.attn_dtype, self.args.n_kv_heads != self.args.n_heads)
-        for i in (range(len(self.layers)) if layers is None else layers):
-            x = self.layers[i](x, cos, sin, attend)
-        return self.norm(x)[0]
+        h = self._blocks(x, layers, lambda i, x: self.layers[i](x, cos, sin, attend))[0]
+        if self.taps and layers is None:
+            self.tapped = self.tapped[0]  # (R, len(taps) dim), as the rows
+        return h
 
     def _native_step(self, batch: StepBatch, kv, layers: list[int] | None) -> torch.Tensor:
         x = self.tok_embeddings(batch.tokens)  # (R, dim)
         freqs = batch.positions[:, None].float() * self.inv_freq  # (R, hs / 2)
         cos, sin = freqs.cos(), freqs.sin()
-        for i in (range(len(self.layers)) if layers is None else layers):
-            x = self.layers[i].native_forward(x, cos, sin, batch, kv, self.native)
-        return self.norm(x)
+        return self._blocks(x, layers, lambda i, x: self.layers[i].native_forward(x, cos, sin, batch, kv, self.native))
 
     @property
     def plan(self) -> KernelPlan:

@@ -6,9 +6,11 @@ position, and per prompt position too for a draft trained with prompt
 context (`data.context=true`; its checkpoint says `context: prompt`). Each step, for every live
 sequence at once (one packed draft forward per depth, `StepBatch` as in the target):
 
-1. the committed pairs (f_t, y_{t+1}) not yet seen, with the target's true features, go into the
-   draft cache; the last row's output is the predicted feature of the root, whose LM-head
-   distribution gives the depth-1 candidates (top `width`);
+1. the committed pairs (f_t, y_{t+1}) not yet seen, with the target's true features (for an
+   EAGLE-3 draft, the states of its fused layers, which the target's forward keeps for it:
+   `Transformer.tap`, no extra forward), go into the draft cache; the last row's output is the
+   predicted feature of the root, whose LM-head distribution gives the depth-1 candidates (top
+   `width`);
 2. depth by depth, the `width` nodes of the newest depth with the best cumulative draft
    log-probability are expanded: the draft reads (predicted feature of the parent, node token) as
    one new row per node, attending to the committed slots and to its ancestors' tentative slots
@@ -89,6 +91,12 @@ class EagleProposer(Proposer):
                             "`python -m pipeline.train heads=eagle` and pass proposer.checkpoint=<run dir>/heads.safetensors")
         self.draft = EagleDraft.load(path, backbone)
         self.context = self.draft.info.get("context") == "prompt"  # the prompt's pairs go into its cache
+        if self.draft.fused:  # EAGLE-3: the target's forward keeps the fused layers' states, handed to observe
+            model = backbone.model
+            if model.taps and model.taps != self.draft.fuse_layers:
+                raise UserError(f"draft {path} fuses layers {list(self.draft.fuse_layers)}, and the backbone already keeps "
+                                f"layers {list(model.taps)} for another draft: decode with drafts that fuse the same layers")
+            model.tap(self.draft.fuse_layers)
         if backbone.model.precision == "q4":  # a float32 draft depth costs ~40% of a q4 step here, an int4 one ~6%
             self.draft.quantize_for_decoding()
         self.checkpoint_path = path
@@ -108,7 +116,8 @@ class EagleProposer(Proposer):
         """Its "tree": the tree it grows, and under nodes=auto how it sized them in this run."""
         spec = {"dynamic": True, "width": self.width, "depth": self.depth, "max_nodes": self.max_nodes,
                 "p_min": self.p_min, "checkpoint": str(self.checkpoint_path),
-                "draft_storage": self.draft.storage, "draft_context": "prompt" if self.context else "answer"}
+                "draft_storage": self.draft.storage, "draft_context": "prompt" if self.context else "answer",
+                "draft_fuse_layers": None if not self.draft.fused else list(self.draft.fuse_layers)}
         if self.auto:
             steps = max(1, self.sized["steps"])
             spec.update(nodes="auto", min_gain=self.min_gain, step_ms_by_drafts=self.costs, sized_for_batch=self.batch_size,

@@ -191,7 +191,7 @@ class Engine(Runner):
         step = StepBatch.build([s.seq for s in fed], [torch.tensor(s.tokens) for s in fed],
                                [None] * len(fed), [None] * len(fed), [0] * len(fed), self.model.attn_dtype)
         masks = self.masks.start(fed, [None] * len(fed), [1] * len(fed))
-        h = self._forward(step)  # (R, dim): every prompt position of every prefilled request
+        h, f = self._forward(step)  # (R, dim): every prompt position of every prefilled request; f what observers read
         last = [o - 1 for o in step.offsets[1:]]
         allowed = masks()
         p = self.target(self.model.logits(h[last]), input_ids=lambda: [s.tokens for s in fed], allowed=allowed,
@@ -207,11 +207,11 @@ class Engine(Runner):
             first = self.sampler.choose(p.rows(b, b + 1), [s.generator])[0]
             if s.proposer is not None:
                 s.proposer.start(s.seq, s.tokens)
-                s.proposer.observe(s.seq, s.tokens[1:] + [first], h[step.offsets[b]:step.offsets[b + 1]])
+                s.proposer.observe(s.seq, s.tokens[1:] + [first], f[step.offsets[b]:step.offsets[b + 1]])
             s.hidden = h[last[b]]
             s.gen.prefill_ms = ms
             lps = None if s.logprobs is None else _logprobs(p.rows(b, b + 1), [0], [first], s.logprobs)
-            self._emit(s, [first], h[last[b]:last[b] + 1], lps)
+            self._emit(s, [first], f[last[b]:last[b] + 1], lps)
             self.masks.note(s)
 
     def _release(self, s: _Live) -> None:
@@ -238,12 +238,12 @@ class Engine(Runner):
                                [self.kv.used(s.seq) for s in live], self.model.attn_dtype)
         sizes = [tr.size for tr in trees]
         masks = self.masks.start(live, node_bits, sizes)
-        h = self._forward(step)  # (R, dim)
+        h, f = self._forward(step)  # (R, dim), and what observers read
         allowed = masks()
         p = self.target(self.model.logits(h), input_ids=lambda: _contexts(live, trees), allowed=allowed,
                         describe=self.masks.describe(live, sizes), groups=_groups(live, sizes))
         self.masks.charge(live, allowed, self.target.mask_s)
-        committed = [self._commit(s, tree, p.rows(o, o + tree.size), h[o:o + tree.size])
+        committed = [self._commit(s, tree, p.rows(o, o + tree.size), h[o:o + tree.size], f[o:o + tree.size])
                      for s, tree, o in zip(live, trees, step.offsets)]
         ms = (time.perf_counter() - t) * 1e3
         if self.guard is not None and any(s.proposer is not None for s in live):
@@ -255,8 +255,14 @@ class Engine(Runner):
             self._emit(s, new, hidden, lps)
             self.masks.note(s)
 
-    def _forward(self, step: StepBatch) -> torch.Tensor:
-        return forward_step(self.model, self.kv, step)
+    def _forward(self, step: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's hidden states (R, dim) and what `observe` / `on_tokens` read: the same, or
+        where a proposer asked the model to keep layers (`model.taps`, EAGLE-3's fusion) those
+        layers' states before them, (R, (len(taps) + 1) dim), from this same forward."""
+        h = forward_step(self.model, self.kv, step)
+        if not getattr(self.model, "taps", ()):
+            return h, h
+        return h, torch.cat((self.model.tapped, h), dim=-1)
 
     def _budget(self, s: _Live) -> int:
         """Tokens this sequence may still commit: up to its max_new_tokens and the context end."""
@@ -310,10 +316,11 @@ class Engine(Runner):
             return self.verifier
         return self.greedy_verifier if s.sampling.greedy else self.sampling_verifier
 
-    def _commit(self, s: _Live, tree: Tree, p, h: torch.Tensor) -> tuple[list[int], torch.Tensor, list | None]:
-        """Verify s's tree against its rows of the target (p, and hidden h (n, dim)), keep the accepted
-        path's KV slots, and return the committed tokens with the hidden states along the path (and
-        the tokens' log-probabilities where the request asked: token k is drawn from row path[k])."""
+    def _commit(self, s: _Live, tree: Tree, p, h: torch.Tensor, f: torch.Tensor) -> tuple[list[int], torch.Tensor, list | None]:
+        """Verify s's tree against its rows of the target (p, hidden h (n, dim) and what observers
+        read, f: `_forward`), keep the accepted path's KV slots, and return the committed tokens with
+        f along the path (and the tokens' log-probabilities where the request asked: token k is
+        drawn from row path[k])."""
         if tree.size == 1:
             path, new = [0], self.sampler.choose(p, [s.generator])
             self.kv.commit(s.seq)
@@ -324,11 +331,12 @@ class Engine(Runner):
             if self.record_trees:
                 s.gen.trees.append({"step": len(s.gen.accepted_lengths), "tokens": tree.tokens.tolist(),
                                     "parents": tree.parents.tolist(), "path": [int(i) for i in path]})
-        hidden = h[torch.tensor(path, device=h.device)] if len(path) > 1 else h[:1]  # (n, dim) along the path
+        rows = torch.tensor(path, device=h.device) if len(path) > 1 else slice(0, 1)  # the path's rows
+        feats = f[rows]  # (n, dim) along the path, or (n, (taps + 1) dim)
         if s.proposer is not None:
-            s.proposer.observe(s.seq, new, hidden)
-        s.hidden = hidden[-1]
-        return new, hidden, None if s.logprobs is None else _logprobs(p, path, new, s.logprobs)
+            s.proposer.observe(s.seq, new, feats)
+        s.hidden = h[path[-1]]
+        return new, feats, None if s.logprobs is None else _logprobs(p, path, new, s.logprobs)
 
     def _emit(self, s: _Live, new: list[int], hidden: torch.Tensor, lps: list | None = None) -> None:
         """Append committed tokens (and their log-probabilities, lps), stopping exactly where plain
