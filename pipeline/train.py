@@ -37,6 +37,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     L.seed_everything(int(cfg.seed), workers=True)
     backbone = component(cfg.model)
     data = component(cfg.data, backbone, num_heads=cfg.heads.num_heads)
+    if cfg.data.get("only"):  # data only (shard jobs): this job's parts of the set, no training
+        return data.make(), {"data": data, "backbone": backbone}
     data.setup("fit")  # the draft vocabulary is chosen from the training answers' token counts
     heads = instantiate(cfg.heads)(backbone=backbone, token_counts=data.token_counts())
     module = instantiate(cfg.module, heads=heads, optimizer=instantiate(cfg.optimizer),
@@ -95,6 +97,8 @@ def quiet_lightning(path) -> None:
 def main(cfg: DictConfig) -> dict:
     metrics, _ = train(cfg)
     print(json.dumps(metrics, indent=2), file=sys.stderr)
+    if cfg.data.get("only"):
+        return metrics
     heads = run_dir(cfg) / "heads.safetensors"
     how = (f"decode=tree_eagle proposer.checkpoint={heads}" if "eagle" in str(cfg.heads._target_) else
            f"decode=tree_medusa proposer.checkpoint={heads} proposer.tree_file=null")

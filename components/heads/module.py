@@ -126,10 +126,13 @@ class EagleModule(HeadModule):
     RMS. Logged: the loss terms; head1_top1 / head1_top5 of y_{t+2} from the predicted feature (the
     depth-1 acceptance a greedy draft would see); on validation, depth{j}_top1 for j <= eval_depth
     (the draft on its own features, true tokens before) and `chain`: the mean accepted length of a
-    greedy chain eval_depth deep (1 + the leading run of hits: the target's own token counts)."""
+    greedy chain eval_depth deep (1 + the leading run of hits: the target's own token counts).
+    An EAGLE-3 draft (heads.fuse_layers) reads [fused layers' states | last state] per position and
+    regresses on the last one's part; feature_weight scales the smooth-L1 term (None: 1, and 0 for
+    a fused draft, as EAGLE-3 trains on the tokens alone)."""
 
     def __init__(self, heads, optimizer, scheduler=None, ce_weight: float = 0.1, noise: float = 0.1,
-                 unroll: int = 1, unroll_decay: float = 0.8, eval_depth: int = 5):
+                 unroll: int = 1, unroll_decay: float = 0.8, eval_depth: int = 5, feature_weight: float | None = None):
         super().__init__(heads, optimizer, scheduler)
         if ce_weight < 0 or noise < 0:
             raise ValueError(f"`module.ce_weight` and `module.noise` must be >= 0, got {ce_weight}, {noise}")
@@ -137,6 +140,7 @@ class EagleModule(HeadModule):
         if not 0 < unroll_decay <= 1:
             raise ValueError(f"`module.unroll_decay` must be in (0, 1], got {unroll_decay}")
         self.ce_weight, self.noise = float(ce_weight), float(noise)
+        self.feature_weight = float((0.0 if getattr(heads, "fused", False) else 1.0) if feature_weight is None else feature_weight)
         self.unroll, self.eval_depth = unroll, eval_depth
         self.w = [unroll_decay ** j for j in range(unroll)]
 
@@ -144,7 +148,7 @@ class EagleModule(HeadModule):
         hidden, tokens = batch[0], batch[1]
         hidden = hidden.float()
         f_in, y_in = hidden[:, :-1], tokens[:, :-1].clamp(min=0)  # (f_t, y_{t+1})
-        f_next, y_next = hidden[:, 1:], tokens[:, 1:]  # f_{t+1} and y_{t+2}, -100 past the end
+        f_next, y_next = hidden[:, 1:, -self.heads.dim:], tokens[:, 1:]  # f_{t+1} (the last state) and y_{t+2}, -100 past the end
         q = torch.arange(f_in.shape[1], device=f_in.device)[None]
         # a set with prompt context: the first ctx[b] pairs are the prompt's, read but never scored,
         # and no chain starts in them (decoding drafts from answer positions only)
@@ -165,7 +169,7 @@ class EagleModule(HeadModule):
             if j < self.unroll:
                 reg = (F.smooth_l1_loss(pred, f_next, reduction="none").mean(-1) * ok).sum() / n
                 ce = torch.nan_to_num(F.cross_entropy(logits[sel], dt[sel])) if sel.any() else logits.sum() * 0
-                loss = loss + self.w[j] * (reg + self.ce_weight * ce)
+                loss = loss + self.w[j] * (self.feature_weight * reg + self.ce_weight * ce)
                 if j == 0:
                     self.metric(split, "feature_loss", reg, per_step=True)
                     self.metric(split, "ce", ce, per_step=True)
