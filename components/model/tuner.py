@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -127,14 +128,16 @@ def machine_key(model) -> str:
 
 def machine_parts(device: torch.device) -> list[str]:
     """What a measurement on this machine depends on: CPU model and features, the device (and its
-    GPU), torch version, thread count, the CPU capability torch dispatches to."""
+    GPU), torch version, thread count, the CPU capability torch dispatches to, and the ISA caps
+    oneDNN and MKL are given (`ONEDNN_MAX_CPU_ISA`, `MKL_ENABLE_INSTRUCTIONS`: another kernel path)."""
     cpu = ""
     if Path("/proc/cpuinfo").is_file():
         info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
         cpu = "|".join(line for line in info.splitlines() if line.startswith(("model name", "flags")))
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    isa = [f"{k}={os.environ.get(k, '')}" for k in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")]
     return [cpu or platform.processor(), str(device), gpu, torch.__version__, str(torch.get_num_threads()),
-            torch.backends.cpu.get_cpu_capability()]
+            torch.backends.cpu.get_cpu_capability(), *isa]
 
 
 def plan_for(model, cache: Path | None, kernels: str = "auto") -> KernelPlan:
