@@ -112,7 +112,7 @@ def trainable_copy(model: Transformer, finetune: str = "lora", rank: int = 16, a
                 setattr(blk, n, LoRADense(getattr(blk, n).weight, rank, alpha))
     if finetune == "full":
         copy.norm.requires_grad_(True)
-    return copy
+    return copy.train()  # no dropout anywhere: the mode only tells Lightning the copy is meant to train
 
 
 class Conversations(L.LightningDataModule):
