@@ -157,3 +157,16 @@ def test_drift_is_nil_against_itself_and_seen_otherwise(tiny_backbone):
             p.add_(torch.randn_like(p) * 0.2)
     moved = drift(tiny_backbone, Backbone(other, tok, "moved"), prompts, 12)
     assert moved["greedy_prefix"] < 1.0 and moved["kl"] > 0
+
+
+def test_drift_of_a_run_compares_with_the_original_it_started_from(runs, tmp_path):
+    """The run's own model config is the original: a backbone written after the warm-up alone has
+    drifted nowhere on the prompts after the training set; the joint one is measured on the same."""
+    from components.heads.medusa2 import drift_of_run
+    root, _, _ = runs
+    shutil.copytree(root / "warm_backbone", tmp_path / "backbone")
+    shutil.copy(root / "run" / "train_config.yaml", tmp_path)
+    warm = drift_of_run(tmp_path, prompts=3, max_new_tokens=12)
+    assert warm["greedy_match"] == warm["greedy_prefix"] == 1.0 and warm["kl"] == 0.0 and warm["prompts"] == 3
+    joint = drift_of_run(root / "run", prompts=3, max_new_tokens=12)
+    assert joint["kl"] > 0

@@ -279,3 +279,28 @@ def answer_logprobs(model: Transformer, prompt: list[int], answer: list[int]) ->
     seq = torch.tensor([prompt + answer], device=model.device)  # (1, T)
     h = model(seq, torch.arange(seq.shape[1], device=seq.device)[None])[0, len(prompt) - 1:-1]  # (n, dim)
     return model.logits(h).float().log_softmax(-1)
+
+
+def drift_of_run(run: str | Path, prompts: int = 32, max_new_tokens: int = 64) -> dict:
+    """`drift` of a heads=medusa2 run's written backbone against the original it started from (the
+    run's own model config, de-quantized to float32 as training did), both in float32, on the
+    `prompts` training prompts after the run's data.max_samples (never trained on)."""
+    from omegaconf import OmegaConf  # a run's config, read back (only this entry point needs it)
+    from pipeline.build import component
+    run = Path(run)
+    cfg = OmegaConf.load(run / "train_config.yaml")
+    base = component(cfg.model)
+    original = Backbone(float32_copy(base.model), base.tokenizer, base.name)
+    tuned = from_pretrained(str(run / "backbone"), dtype="float32", native=False)
+    n = int(cfg.data.max_samples)
+    texts = training_prompts(n + positive_int(prompts, "prompts"), seed=int(cfg.data.prompt_seed))[n:]
+    ids = [encode_chat(base.tokenizer, None, t, bool(cfg.data.chat)) for t in texts]
+    return drift(original, tuned, ids, max_new_tokens)
+
+
+if __name__ == "__main__":  # python -m components.heads.medusa2 <run dir> [prompts] [max_new_tokens]
+    import json
+    import sys
+    if not 2 <= len(sys.argv) <= 4:
+        sys.exit("usage: python -m components.heads.medusa2 <heads=medusa2 run dir> [prompts=32] [max_new_tokens=64]")
+    print(json.dumps(drift_of_run(sys.argv[1], *map(int, sys.argv[2:])), indent=2))
