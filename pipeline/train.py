@@ -1,13 +1,15 @@
-"""python -m pipeline.train [heads=medusa|eagle] [data=self_distill] [trainer.max_steps=N] [logger=wandb]
+"""python -m pipeline.train [heads=medusa|eagle|medusa2] [data=self_distill] [trainer.max_steps=N] [logger=wandb]
 
 `train(cfg) -> (metrics, objects)`: self-distillation data, then draft heads (Medusa heads, or an EAGLE
 draft with heads=eagle) trained by Lightning on
 the frozen backbone. Everything goes into the run directory: checkpoints/ (Lightning, resumable),
 wandb/ (offline unless logger.offline=false), csv/, heads.safetensors (what decoding loads with
-proposer.checkpoint=...), metrics.json and train_config.yaml.
+proposer.checkpoint=...), metrics.json and train_config.yaml; with heads=medusa2 (the backbone
+trained with its heads) also backbone/, the Hugging Face folder that model.path= loads.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -43,6 +45,9 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     heads = instantiate(cfg.heads)(backbone=backbone, token_counts=data.token_counts())
     module = instantiate(cfg.module, heads=heads, optimizer=instantiate(cfg.optimizer),
                          scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None)
+    if isinstance(module, functools.partial):  # a module that trains the backbone too (heads=medusa2)
+        module = module(backbone=backbone, data=data)
+    fit_data = getattr(module, "fit_data", data)  # such a module reads the data its own way (whole conversations)
     loggers = [CSVLogger(str(out), name="csv")]
     if cfg.get("logger"):
         loggers.append(instantiate(cfg.logger, save_dir=str(out)))
@@ -53,9 +58,9 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     last = ckpt_dir / "last.ckpt"
     t0 = time.perf_counter()
     try:
-        trainer.fit(module, datamodule=data, ckpt_path=str(last) if cfg.resume and last.is_file() else None)
+        trainer.fit(module, datamodule=fit_data, ckpt_path=str(last) if cfg.resume and last.is_file() else None)
         wall = time.perf_counter() - t0
-        val = trainer.validate(module, datamodule=data, verbose=False)[0]
+        val = trainer.validate(module, datamodule=fit_data, verbose=False)[0]
     finally:
         for lg in loggers:
             if hasattr(lg, "experiment") and type(lg).__name__ == "WandbLogger":
@@ -70,6 +75,8 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
                 "backbone": backbone.name, "metrics": metrics, "command": " ".join(sys.argv)}
         if cfg.data.get("sequences"):  # an EAGLE draft: what its attention was trained over
             meta["context"] = "prompt" if cfg.data.get("context") else "answer"
+        if hasattr(module, "write_backbone"):  # heads=medusa2: the heads belong to the backbone trained with them
+            meta.update(module.write_backbone(out / "backbone"))
         heads.save(out / "heads.safetensors", meta)
         write_json(out / "metrics.json", metrics)
         (out / "train_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -102,6 +109,8 @@ def main(cfg: DictConfig) -> dict:
     heads = run_dir(cfg) / "heads.safetensors"
     how = (f"decode=tree_eagle proposer.checkpoint={heads}" if "eagle" in str(cfg.heads._target_) else
            f"decode=tree_medusa proposer.checkpoint={heads} proposer.tree_file=null")
+    if (run_dir(cfg) / "backbone").is_dir():  # heads=medusa2: its heads belong to the backbone trained with them
+        how += f" model.path={run_dir(cfg) / 'backbone'}"
     print(f"heads written to {heads}; decode with them: python -m pipeline {how}", file=sys.stderr)
     return metrics
 

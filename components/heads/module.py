@@ -60,8 +60,13 @@ class HeadModule(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         self._step(batch, "val")
 
+    def param_groups(self) -> list:
+        """What the optimizer trains: every parameter that requires a gradient (a subclass may return
+        torch param-group dicts, each with its own learning rate)."""
+        return [p for p in self.parameters() if p.requires_grad]
+
     def configure_optimizers(self):
-        opt = self.optimizer_factory(params=[p for p in self.parameters() if p.requires_grad])
+        opt = self.optimizer_factory(params=self.param_groups())
         if self.scheduler_factory is None:
             return opt
         return {"optimizer": opt, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer=opt), "interval": "step"}}
