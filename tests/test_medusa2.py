@@ -167,6 +167,8 @@ def test_drift_of_a_run_compares_with_the_original_it_started_from(runs, tmp_pat
     shutil.copytree(root / "warm_backbone", tmp_path / "backbone")
     shutil.copy(root / "run" / "train_config.yaml", tmp_path)
     warm = drift_of_run(tmp_path, prompts=3, max_new_tokens=12)
-    assert warm["greedy_match"] == warm["greedy_prefix"] == 1.0 and warm["kl"] == 0.0 and warm["prompts"] == 3
+    # the two float32 loads time their own matmul kernels (float32 is never batch-invariant, and the
+    # fastest kernel per row count may differ between loads): last bits, not drift
+    assert warm["greedy_match"] == warm["greedy_prefix"] == 1.0 and warm["kl"] < 1e-6 and warm["prompts"] == 3
     joint = drift_of_run(root / "run", prompts=3, max_new_tokens=12)
-    assert joint["kl"] > 0
+    assert joint["kl"] > 1e-4
