@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -96,13 +97,56 @@ def export(checkpoint: str, out_dir: str, fmt: str = "medusa", model_path: str |
 # vLLM's; llm_decode/extras.safetensors holds what it has no place for (read back by `read_eagle`).
 EXTRAS = "llm_decode/extras.safetensors"  # a subfolder: vLLM loads every top-level *.safetensors
 EAGLE1_LOST = (
-    "attention norm: vLLM's EAGLE-1 layer 0 has no input_layernorm, so our norm's weight is folded into "
-    "q/k/v and its per-token 1/rms scale of fc's output is lost",
-    "final norm: vLLM's EAGLE-1 draft has none, so its LM head and its next depth read the layer's output "
-    "before our norm",
+    "attention norm: vLLM's EAGLE-1 layer 0 has no input_layernorm; our norm's weight and 1 / (fc's output's "
+    "mean rms over calibration prompts) are folded into q/k/v, each position's own rms is not",
+    "final norm: vLLM's EAGLE-1 draft has none; the layer's residual stream is exported scaled by our norm's "
+    "weight over the output's mean rms, so the LM head's argmax is ours, the next depth reads our feature "
+    "up to its position's rms, and the MLP's norm reads it up to that scaling's mean",
     "draft vocabulary: vLLM's EAGLE-1 drafts over the full vocabulary with the target's LM head, ours over "
     "{V} tokens",
 )
+CALIBRATION_PROMPTS = 8  # training prompts: a few thousand positions fix the three scales to ~1%
+
+
+@torch.no_grad()
+def calibrate(draft: EagleDraft, backbone, n: int = CALIBRATION_PROMPTS) -> dict[str, float]:
+    """The mean rms of what our norms divide by, teacher-forced over `n` training prompts (an unfused
+    draft: the target's last states, as decoding hands them): fc's
+    output (`x`), the layer's output (`out`), and, with the stream scaled by d = norm weight / out,
+    rms(d h) / rms(h) of what the MLP's norm reads (`mlp`)."""
+    from components.data.prompts import training_prompts
+    from pipeline.core import encode_chat
+    model, dim = backbone.model, draft.dim
+    d = draft.norm.weight.detach().float()
+    sums = {"x": 0.0, "out": 0.0, "mlp": 0.0, "n": 0}
+    seen: list[torch.Tensor] = []
+    hook = draft.block.mlp_norm.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    try:
+        for text in training_prompts(n):
+            ids = torch.tensor(encode_chat(backbone.tokenizer, None, text, True), device=model.device)[None]
+            T = ids.shape[1] - 1
+            states = model(ids, torch.arange(T + 1, device=model.device)[None])[:, :-1]
+            x = draft.inputs(states, ids[:, 1:])
+            seen.clear()
+            out = draft.block(x, *draft.rope(torch.arange(T, device=x.device)[None]), _causal)
+            rms = lambda t: t.float().pow(2).mean(-1).sqrt()  # noqa: E731
+            h = seen[0]
+            sums["x"] += float(rms(x).sum())
+            sums["out"] += float(rms(out).sum())
+            sums["mlp"] += float((rms(h * d) / rms(h)).sum())
+            sums["n"] += T
+    finally:
+        hook.remove()
+    return {k: float(torch.tensor(v / sums["n"], dtype=torch.float32)) for k, v in sums.items() if k != "n"}  # as stored
+
+
+def _causal(layer, q, k, v):
+    B, T = q.shape[:2]
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=T > 1,
+                                       enable_gqa=k.shape[2] != q.shape[2])
+    return y.transpose(1, 2).reshape(B, T, -1)
+
+
 EAGLE3_LOST = (
     "input projection: vLLM's EAGLE-3 layer reads concat(norm(embed), norm(feature)) into q/k/v and adds the "
     "feature alone to the residual, ours norm(fc(concat(feature, embed))) and adds fc's output; q/k/v are "
@@ -158,10 +202,28 @@ def export_eagle(checkpoint: str, out_dir: str, backbone) -> tuple[Path, str, li
     extras = {"attn_norm.weight": attn_w, "norm.weight": draft.norm.weight.detach().float(),
               "vocab_ids": draft.vocab_ids.long()}
     if not draft.fused:
+        # vLLM's layer: x' = fc'(concat(e, f)), h' = x' + o'(attn(q'k'v' x')), out' = h' + down'(mlp(norm'(h'))),
+        # out' its feature and its LM head's input. The stream is ours scaled by d = s * w_norm (s = 1 / mean
+        # rms(out)): out' = out * w_norm * s = our feature times rms(out) * s, a per-position scalar near 1
+        # (the LM head's argmax is exact); every matrix that writes the stream is scaled by d, every one
+        # that reads it by 1 / d; q/k/v read x * w_attn / mean rms(x) where ours reads x * w_attn / rms(x).
         method = "eagle"
         lost = [line.format(V=V) for line in EAGLE1_LOST if "{V}" not in line or V < a.vocab_size]
-        tensors = {"fc.weight": torch.cat((fc_embed, fc_feat), dim=1),  # vLLM: concat(embeds, hidden)
-                   **{f"layers.0.{k}": t for k, t in _hf_layer(draft, attn_w).items()}}
+        w_norm = draft.norm.weight.detach().float()
+        if bool((w_norm == 0).any()):
+            raise UserError(f"draft {checkpoint}'s final norm has zero weights: vLLM's EAGLE-1 layout cannot carry it")
+        scales = calibrate(draft, backbone)
+        d = w_norm / scales["out"]
+        fc = fc * d[:, None]
+        layer = _hf_layer(draft, attn_w / scales["x"] / d)
+        layer["self_attn.o_proj.weight"] = layer["self_attn.o_proj.weight"] * d[:, None]
+        layer["mlp.down_proj.weight"] = layer["mlp.down_proj.weight"] * d[:, None]
+        if "self_attn.o_proj.bias" in layer:
+            layer["self_attn.o_proj.bias"] = layer["self_attn.o_proj.bias"] * d
+        layer["post_attention_layernorm.weight"] = layer["post_attention_layernorm.weight"] * scales["mlp"] / d
+        tensors = {"fc.weight": torch.cat((fc[:, dim:], fc[:, :dim]), dim=1),  # vLLM: concat(embeds, hidden)
+                   **{f"layers.0.{k}": t for k, t in layer.items()}}
+        extras["scales"] = torch.tensor([scales["x"], scales["out"], scales["mlp"]])
         cfg = _draft_config(a)
     else:
         method = "eagle3"
@@ -220,10 +282,17 @@ def read_eagle(folder: str | Path, backbone) -> EagleDraft:
              "block.w13.weight": torch.cat((vt[pre + "mlp.gate_proj.weight"], vt[pre + "mlp.up_proj.weight"])).t(),
              "block.w2.weight": vt[pre + "mlp.down_proj.weight"].t(), "vocab_ids": vocab_ids}
     qkv = torch.cat([vt[pre + f"self_attn.{n}_proj.weight"] for n in "qkv"])  # (qkv_out, in)
-    if fuse is None:
-        fc = vt["fc.weight"]
+    if fuse is None:  # undo export_eagle's scaling by d
+        sx, sout, smlp = extras["scales"].tolist()
+        d = extras["norm.weight"].float() / sout
+        fc = vt["fc.weight"] / d[:, None]
         state["fc.weight"] = torch.cat((fc[:, dim:], fc[:, :dim]), dim=1)
-        state["block.wqkv.weight"] = (qkv / attn_w.float()[None]).t()
+        state["block.wqkv.weight"] = (qkv / (attn_w.float() / sx / d)[None]).t()
+        state["block.wo.weight"] = (vt[pre + "self_attn.o_proj.weight"] / d[:, None]).t()
+        state["block.w2.weight"] = (vt[pre + "mlp.down_proj.weight"] / d[:, None]).t()
+        state["block.mlp_norm.weight"] = vt[pre + "post_attention_layernorm.weight"] * d / smlp
+        if pre + "self_attn.o_proj.bias" in vt:
+            vt[pre + "self_attn.o_proj.bias"] = vt[pre + "self_attn.o_proj.bias"] / d
     else:
         order = sorted(range(len(fuse)), key=lambda i: fuse[i])
         back = torch.empty_like(torch.tensor(order)).scatter_(0, torch.tensor(order), torch.arange(len(order)))

@@ -90,17 +90,23 @@ def test_exported_draft_reads_back_to_the_same_trees(drafts, tiny_backbone, tmp_
 
 def test_eagle1_layout_is_vllms(drafts, tiny_backbone, tmp_path):
     """The unfused draft: LlamaForCausalLMEagle's names, fc over concat(embed, feature) (ours is
-    concat(feature, embed)), the attention norm folded into q/k/v; the rest in the extras."""
+    concat(feature, embed)), the residual stream scaled by d (what writes it times d, what reads it
+    over d), the attention norm folded into q/k/v; the rest in the extras."""
     path = drafts["eagle"]
     out, _, lost = export_eagle(str(path), str(tmp_path / "vllm"), tiny_backbone)
     draft, dim = EagleDraft.load(path, tiny_backbone), tiny_backbone.model.args.dim
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         t = {k: f.get_tensor(k) for k in f.keys()}
     assert set(t) == EAGLE1_NAMES
-    fc = draft.fc.weight.float()
+    with safe_open(str(out / EXTRAS), "pt") as f:
+        sx, sout, smlp = f.get_tensor("scales").tolist()
+    assert sx > 0 and sout > 0 and smlp > 0
+    d = draft.norm.weight.float() / sout  # the stream's scaling: ours times d
+    fc = draft.fc.weight.float() * d[:, None]
     assert torch.equal(t["fc.weight"], torch.cat((fc[:, dim:], fc[:, :dim]), dim=1))
     q = draft.block.wqkv.dense().float().t()[:t["layers.0.self_attn.q_proj.weight"].shape[0]]
-    torch.testing.assert_close(t["layers.0.self_attn.q_proj.weight"], q * draft.block.attn_norm.weight.float()[None])
+    torch.testing.assert_close(t["layers.0.self_attn.q_proj.weight"], q * (draft.block.attn_norm.weight.float() / sx / d)[None])
+    torch.testing.assert_close(t["layers.0.mlp.down_proj.weight"], draft.block.w2.dense().float().t() * d[:, None])
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_hidden_layers"] == 1
     assert cfg["hidden_size"] == dim and cfg["llm_decode"]["not_exact"] == lost
