@@ -21,7 +21,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -90,63 +89,17 @@ def export(checkpoint: str, out_dir: str, fmt: str = "medusa", model_path: str |
     return out
 
 # --- EAGLE drafts in vLLM's layouts ---------------------------------------------------------------
-# What vLLM 0.32 runs (vllm/model_executor/models/llama_eagle.py, llama_eagle3.py), against ours
+# What vLLM 0.32 runs (vllm/model_executor/models/mistral_eagle.py, llama_eagle3.py), against ours
 # (components/heads/eagle.py). Both hand the draft what ours reads: method eagle the target's last
 # state after its final norm, method eagle3 the states entering blocks i ("eagle_aux_hidden_state_layer_ids",
 # i = n_layers: the last block's output, before the norm), our taps. The files of the layout are
 # vLLM's; llm_decode/extras.safetensors holds what it has no place for (read back by `read_eagle`).
+EAGLE_EXPORT_VERSION = 3  # bump when the mapping changes: the vllm peer caches exports under it
 EXTRAS = "llm_decode/extras.safetensors"  # a subfolder: vLLM loads every top-level *.safetensors
 EAGLE1_LOST = (
-    "attention norm: vLLM's EAGLE-1 layer 0 has no input_layernorm; our norm's weight and 1 / (fc's output's "
-    "mean rms over calibration prompts) are folded into q/k/v, each position's own rms is not",
-    "final norm: vLLM's EAGLE-1 draft has none; the layer's residual stream is exported scaled by our norm's "
-    "weight over the output's mean rms, so the LM head's argmax is ours, the next depth reads our feature "
-    "up to its position's rms, and the MLP's norm reads it up to that scaling's mean",
-    "draft vocabulary: vLLM's EAGLE-1 drafts over the full vocabulary with the target's LM head, ours over "
+    "draft vocabulary: vLLM's EAGLE drafts over the full vocabulary with the target's LM head, ours over "
     "{V} tokens",
 )
-CALIBRATION_PROMPTS = 8  # training prompts: a few thousand positions fix the three scales to ~1%
-
-
-@torch.no_grad()
-def calibrate(draft: EagleDraft, backbone, n: int = CALIBRATION_PROMPTS) -> dict[str, float]:
-    """The mean rms of what our norms divide by, teacher-forced over `n` training prompts (an unfused
-    draft: the target's last states, as decoding hands them): fc's
-    output (`x`), the layer's output (`out`), and, with the stream scaled by d = norm weight / out,
-    rms(d h) / rms(h) of what the MLP's norm reads (`mlp`)."""
-    from components.data.prompts import training_prompts
-    from pipeline.core import encode_chat
-    model, dim = backbone.model, draft.dim
-    d = draft.norm.weight.detach().float()
-    sums = {"x": 0.0, "out": 0.0, "mlp": 0.0, "n": 0}
-    seen: list[torch.Tensor] = []
-    hook = draft.block.mlp_norm.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
-    try:
-        for text in training_prompts(n):
-            ids = torch.tensor(encode_chat(backbone.tokenizer, None, text, True), device=model.device)[None]
-            T = ids.shape[1] - 1
-            states = model(ids, torch.arange(T + 1, device=model.device)[None])[:, :-1]
-            x = draft.inputs(states, ids[:, 1:])
-            seen.clear()
-            out = draft.block(x, *draft.rope(torch.arange(T, device=x.device)[None]), _causal)
-            rms = lambda t: t.float().pow(2).mean(-1).sqrt()  # noqa: E731
-            h = seen[0]
-            sums["x"] += float(rms(x).sum())
-            sums["out"] += float(rms(out).sum())
-            sums["mlp"] += float((rms(h * d) / rms(h)).sum())
-            sums["n"] += T
-    finally:
-        hook.remove()
-    return {k: float(torch.tensor(v / sums["n"], dtype=torch.float32)) for k, v in sums.items() if k != "n"}  # as stored
-
-
-def _causal(layer, q, k, v):
-    B, T = q.shape[:2]
-    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=T > 1,
-                                       enable_gqa=k.shape[2] != q.shape[2])
-    return y.transpose(1, 2).reshape(B, T, -1)
-
-
 EAGLE3_LOST = (
     "input projection: vLLM's EAGLE-3 layer reads concat(norm(embed), norm(feature)) into q/k/v and adds the "
     "feature alone to the residual, ours norm(fc(concat(feature, embed))) and adds fc's output; q/k/v are "
@@ -183,14 +136,14 @@ def _draft_config(args, **extra) -> dict:
     """The draft's HF config: the backbone's block shape, one layer, vLLM's keys in `extra`."""
     from pipeline.hf_peer import hf_config
     cfg = hf_config(replace(args, n_layers=1)).to_dict()
-    cfg.update(architectures=["LlamaForCausalLM"], torch_dtype="bfloat16", **extra)
+    cfg.update({"architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16", **extra})
     return cfg
 
 
 def export_eagle(checkpoint: str, out_dir: str, backbone) -> tuple[Path, str, list[str]]:
     """An EAGLE draft -> a vLLM draft folder (config.json, model.safetensors in float32: vLLM casts
-    to its dtype; folded products stay exact to read back). An unfused draft in EAGLE-1's layout
-    (method eagle), a fused one (heads.fuse_layers) in EAGLE-3's (method eagle3). Returns the folder,
+    to its dtype). An unfused draft as vLLM's EAGLE-1 EagleMistralForCausalLM (method eagle: a Llama
+    block, exact), a fused one (heads.fuse_layers) in EAGLE-3's layout (method eagle3). Returns the folder,
     the method and one line per part that does not map exactly (also in config.json)."""
     draft = EagleDraft.load(checkpoint, backbone)
     out = Path(out_dir)
@@ -199,32 +152,19 @@ def export_eagle(checkpoint: str, out_dir: str, backbone) -> tuple[Path, str, li
     fc = draft.fc.weight.detach().float()
     fc_feat, fc_embed = fc[:, :dim], fc[:, dim:]  # ours: concat(feature, embed)
     attn_w = draft.block.attn_norm.weight.detach().float()
-    extras = {"attn_norm.weight": attn_w, "norm.weight": draft.norm.weight.detach().float(),
-              "vocab_ids": draft.vocab_ids.long()}
+    extras = {"vocab_ids": draft.vocab_ids.long()}
     if not draft.fused:
-        # vLLM's layer: x' = fc'(concat(e, f)), h' = x' + o'(attn(q'k'v' x')), out' = h' + down'(mlp(norm'(h'))),
-        # out' its feature and its LM head's input. The stream is ours scaled by d = s * w_norm (s = 1 / mean
-        # rms(out)): out' = out * w_norm * s = our feature times rms(out) * s, a per-position scalar near 1
-        # (the LM head's argmax is exact); every matrix that writes the stream is scaled by d, every one
-        # that reads it by 1 / d; q/k/v read x * w_attn / mean rms(x) where ours reads x * w_attn / rms(x).
+        # vLLM's LlamaForCausalLMEagle drops layer 0's input norm and has no final norm: our draft in it
+        # would draft differently. EagleMistralForCausalLM is ours exactly: fc(concat(embeds, hidden)),
+        # a Mistral (= Llama) decoder layer with both norms, a final norm whose output is its feature
+        # and the target LM head's input.
         method = "eagle"
-        lost = [line.format(V=V) for line in EAGLE1_LOST if "{V}" not in line or V < a.vocab_size]
-        w_norm = draft.norm.weight.detach().float()
-        if bool((w_norm == 0).any()):
-            raise UserError(f"draft {checkpoint}'s final norm has zero weights: vLLM's EAGLE-1 layout cannot carry it")
-        scales = calibrate(draft, backbone)
-        d = w_norm / scales["out"]
-        fc = fc * d[:, None]
-        layer = _hf_layer(draft, attn_w / scales["x"] / d)
-        layer["self_attn.o_proj.weight"] = layer["self_attn.o_proj.weight"] * d[:, None]
-        layer["mlp.down_proj.weight"] = layer["mlp.down_proj.weight"] * d[:, None]
-        if "self_attn.o_proj.bias" in layer:
-            layer["self_attn.o_proj.bias"] = layer["self_attn.o_proj.bias"] * d
-        layer["post_attention_layernorm.weight"] = layer["post_attention_layernorm.weight"] * scales["mlp"] / d
-        tensors = {"fc.weight": torch.cat((fc[:, dim:], fc[:, :dim]), dim=1),  # vLLM: concat(embeds, hidden)
-                   **{f"layers.0.{k}": t for k, t in layer.items()}}
-        extras["scales"] = torch.tensor([scales["x"], scales["out"], scales["mlp"]])
-        cfg = _draft_config(a)
+        lost = [line.format(V=V) for line in EAGLE1_LOST if V < a.vocab_size]
+        tensors = {"model.fc.weight": torch.cat((fc_embed, fc_feat), dim=1),  # vLLM: concat(embeds, hidden)
+                   "model.norm.weight": draft.norm.weight.detach().float(),
+                   "model.layers.0.input_layernorm.weight": attn_w,
+                   **{f"model.layers.0.{k}": t for k, t in _hf_layer(draft, None).items()}}
+        cfg = _draft_config(a, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None)
     else:
         method = "eagle3"
         lost = list(EAGLE3_LOST)
@@ -241,7 +181,7 @@ def export_eagle(checkpoint: str, out_dir: str, backbone) -> tuple[Path, str, li
                    "t2d": torch.zeros(a.vocab_size, dtype=torch.bool).index_fill_(0, draft.vocab_ids.long(), True),
                    "midlayer.input_layernorm.weight": torch.ones(dim), "midlayer.hidden_norm.weight": torch.ones(dim),
                    **{f"midlayer.{k}": t for k, t in layer.items()}}
-        extras.update({"fc.weight": fc, "block.wqkv.weight": draft.block.wqkv.dense().float()})
+        extras.update({"attn_norm.weight": attn_w, "fc.weight": fc, "block.wqkv.weight": draft.block.wqkv.dense().float()})
         cfg = _draft_config(a, draft_vocab_size=V, target_hidden_size=dim, norm_output=True,
                             eagle_aux_hidden_state_layer_ids=ids,
                             eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True})
@@ -256,8 +196,9 @@ def export_eagle(checkpoint: str, out_dir: str, backbone) -> tuple[Path, str, li
 
 
 def read_eagle(folder: str | Path, backbone) -> EagleDraft:
-    """The EagleDraft an `export_eagle` folder holds, from vLLM's tensors wherever they keep ours
-    (un-folding what was folded), the extras for the rest."""
+    """The EagleDraft an `export_eagle` folder holds, from vLLM's tensors wherever they keep ours,
+    the extras for the rest (the draft vocabulary of an unfused draft; a fused draft's input
+    projection, attention norm and q/k/v, which its EAGLE-3 layout folds together)."""
     folder = Path(folder)
     if not (folder / EXTRAS).is_file():
         raise UserError(f"{folder} is not an export of ours ({EXTRAS} is missing): export the draft with "
@@ -274,30 +215,23 @@ def read_eagle(folder: str | Path, backbone) -> EagleDraft:
     fuse = None if method == "eagle" else tuple(info["fuse_layers"])
     vocab_ids = extras["vocab_ids"] if fuse is None else torch.arange(cfg["draft_vocab_size"]) + vt["d2t"]
     draft = EagleDraft(args, vocab_ids, draft_lm_weight(backbone, vocab_ids), backbone_embedding(backbone), fuse)
-    attn_w = extras["attn_norm.weight"]
-    pre = "layers.0." if fuse is None else "midlayer."
-    state = {"block.attn_norm.weight": attn_w, "norm.weight": extras["norm.weight"],
-             "block.mlp_norm.weight": vt[pre + "post_attention_layernorm.weight"],
+    pre = "model.layers.0." if fuse is None else "midlayer."
+    state = {"block.mlp_norm.weight": vt[pre + "post_attention_layernorm.weight"],
              "block.wo.weight": vt[pre + "self_attn.o_proj.weight"].t(),
              "block.w13.weight": torch.cat((vt[pre + "mlp.gate_proj.weight"], vt[pre + "mlp.up_proj.weight"])).t(),
              "block.w2.weight": vt[pre + "mlp.down_proj.weight"].t(), "vocab_ids": vocab_ids}
     qkv = torch.cat([vt[pre + f"self_attn.{n}_proj.weight"] for n in "qkv"])  # (qkv_out, in)
-    if fuse is None:  # undo export_eagle's scaling by d
-        sx, sout, smlp = extras["scales"].tolist()
-        d = extras["norm.weight"].float() / sout
-        fc = vt["fc.weight"] / d[:, None]
+    if fuse is None:
+        fc = vt["model.fc.weight"]
         state["fc.weight"] = torch.cat((fc[:, dim:], fc[:, :dim]), dim=1)
-        state["block.wqkv.weight"] = (qkv / (attn_w.float() / sx / d)[None]).t()
-        state["block.wo.weight"] = (vt[pre + "self_attn.o_proj.weight"] / d[:, None]).t()
-        state["block.w2.weight"] = (vt[pre + "mlp.down_proj.weight"] / d[:, None]).t()
-        state["block.mlp_norm.weight"] = vt[pre + "post_attention_layernorm.weight"] * d / smlp
-        if pre + "self_attn.o_proj.bias" in vt:
-            vt[pre + "self_attn.o_proj.bias"] = vt[pre + "self_attn.o_proj.bias"] / d
+        state["block.wqkv.weight"] = qkv.t()
+        state["block.attn_norm.weight"], state["norm.weight"] = vt[pre + "input_layernorm.weight"], vt["model.norm.weight"]
     else:
         order = sorted(range(len(fuse)), key=lambda i: fuse[i])
         back = torch.empty_like(torch.tensor(order)).scatter_(0, torch.tensor(order), torch.arange(len(order)))
         state["fuse.weight"] = vt["fc.weight"].view(dim, len(fuse), dim)[:, back].reshape(dim, -1)
         state["fc.weight"], state["block.wqkv.weight"] = extras["fc.weight"], extras["block.wqkv.weight"]
+        state["block.attn_norm.weight"], state["norm.weight"] = extras["attn_norm.weight"], vt["norm.weight"]
         if not torch.equal(vt["lm_head.weight"], draft.lm_weight):
             raise UserError(f"{folder}'s lm_head is not this backbone's rows for the draft vocabulary: "
                             "read it back with the backbone it was exported from")

@@ -111,7 +111,8 @@ def eagle_folder(draft: str | None) -> Path:
         return path
     if not path.is_file():
         raise UserError(f"vllm draft={path} does not exist: give an EAGLE draft .safetensors or an exported folder")
-    out = cache_dir() / f"{path.stem}-{content_key(path)}-vllm-eagle"
+    from pipeline.export import EAGLE_EXPORT_VERSION
+    out = cache_dir() / f"{path.stem}-{content_key(path)}-vllm-eagle-v{EAGLE_EXPORT_VERSION}"
     if (out / "config.json").is_file():
         return out
 
