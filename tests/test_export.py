@@ -225,8 +225,9 @@ def mean_accepted(gens) -> float:
 
 @pytest.mark.skipif(not vllm_peer.available(), reason="vLLM is not installed (.venv-vllm): make peer-vllm")
 def test_vllm_decodes_with_our_draft_losslessly_and_accepts(real_backbone, tmp_path):
-    """vLLM's greedy with our draft (3 drafted tokens, a chain) equals its greedy without, and its
-    accepted length is above 1 where ours, drafting a chain of 3 on the same prompts, is."""
+    """vLLM's greedy with our draft (3 drafted tokens, a chain) equals its greedy without, and it
+    accepts what ours accepts drafting a chain of 3 on the same prompts (measured: vLLM 1.60 tokens a
+    step, ours 1.58; a wrongly mapped draft accepts ~nothing: 1.01 in the Llama EAGLE class)."""
     from omegaconf import OmegaConf
     prompts, k, n = bench_prompts(3), 3, 32
     ids = [encode_chat(real_backbone.tokenizer, None, p, True) for p in prompts]
@@ -246,4 +247,4 @@ def test_vllm_decodes_with_our_draft_losslessly_and_accepts(real_backbone, tmp_p
     ours = mean_accepted(trees_of(shipped_draft("smollm2_135m"), real_backbone, prompts, "tree.width=1",
                                   f"tree.depth={k}", f"tree.max_nodes={k + 1}", model="model.dtype=float32", max_new_tokens=n))
     print(f"mean accepted length over {len(prompts)} bench prompts, {k} drafted: vLLM {theirs:.2f}, ours {ours:.2f}")
-    assert ours > 1.2 and theirs > 1.05
+    assert ours > 1.2 and theirs > 1 + 0.7 * (ours - 1)  # bfloat16 and the full vocabulary move a few drafts
