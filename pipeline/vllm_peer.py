@@ -17,6 +17,10 @@ loaded as it is. vLLM computes in bfloat16 whatever `model.dtype` says.
 Entry options (`"vllm speculative=ngram num_speculative_tokens=5"`): `speculative=ngram` turns on
 vLLM's n-gram (prompt lookup) speculation with `num_speculative_tokens` drafted tokens, matched on
 the last `prompt_lookup_min`..`prompt_lookup_max` tokens; the defaults are vLLM's documented example.
+`speculative=eagle draft=<draft.safetensors | exported folder>` (`speculative=eagle3` for a fused
+draft) runs our EAGLE draft in vLLM (method eagle / eagle3, `num_speculative_tokens` default 3): a
+.safetensors draft (default: the shipped one) is exported once by `pipeline.export.export_eagle`
+under the cache dir, keyed by its content; the export says what does not map exactly.
 """
 from __future__ import annotations
 
@@ -39,8 +43,9 @@ VENV_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 WORKER = Path(__file__).resolve().with_name("vllm_worker.py")
 INSTALL_HINT = "install it with `make peer-vllm` (vLLM's CPU build in .venv-vllm, ~3.5 GB)"
 # entry overrides with these keys configure vLLM; every other one goes to the composed decode config
-KNOBS = ("speculative", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+KNOBS = ("speculative", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "draft")
 NGRAM_DEFAULTS = {"num_speculative_tokens": 5, "prompt_lookup_max": 4}
+EAGLE_DEFAULTS = {"num_speculative_tokens": 3}
 KV_CACHE_GB = 2  # VLLM_CPU_KVCACHE_SPACE: 2 GB hold ~90k tokens of the default model
 STARTUP_TIMEOUT_S = 1800  # vLLM's first start compiles the model: 2-3 minutes on 2 busy cores
 MEASURED = ("generation only: the bench's clock around each round, which is one JSON line to the vLLM "
@@ -63,8 +68,12 @@ def speculative_config(knobs: dict) -> dict | None:
             raise UserError(f"vllm options {sorted(set(knobs) - {'speculative'})} need speculation: "
                             'add speculative=ngram, e.g. "vllm speculative=ngram num_speculative_tokens=5"')
         return None
+    if method in ("eagle", "eagle3"):
+        return eagle_config(method, knobs)
     if method != "ngram":
-        raise UserError(f"vllm speculative={method!r} is not supported: give speculative=ngram (or none)")
+        raise UserError(f"vllm speculative={method!r} is not supported: give speculative=ngram, eagle, eagle3 (or none)")
+    if "draft" in knobs:
+        raise UserError("vllm draft= is for speculative=eagle / eagle3 (our EAGLE draft), not ngram: drop it")
     cfg = {"method": "ngram", **NGRAM_DEFAULTS, **{k: v for k, v in knobs.items() if k != "speculative"}}
     for k, v in cfg.items():
         if k != "method":
@@ -73,6 +82,50 @@ def speculative_config(knobs: dict) -> dict | None:
         raise UserError(f"vllm prompt_lookup_min={cfg['prompt_lookup_min']} is above prompt_lookup_max="
                         f"{cfg['prompt_lookup_max']}: lower it")
     return cfg
+
+
+def eagle_config(method: str, knobs: dict) -> dict:
+    """speculative=eagle / eagle3: our EAGLE draft in vLLM's layout of that method (an unfused draft
+    is EAGLE-1's, a fused one EAGLE-3's)."""
+    k = positive_int(knobs.get("num_speculative_tokens", EAGLE_DEFAULTS["num_speculative_tokens"]),
+                     "vllm num_speculative_tokens")
+    extra = set(knobs) - {"speculative", "draft", "num_speculative_tokens"}
+    if extra:
+        raise UserError(f"vllm options {sorted(extra)} are n-gram speculation's, not speculative={method}'s: drop them")
+    folder = eagle_folder(knobs.get("draft"))
+    have = json.loads((folder / "config.json").read_text()).get("llm_decode", {}).get("method")
+    if have != method:
+        raise UserError(f"draft {knobs.get('draft') or folder} is in vLLM's {have} layout: give speculative={have}")
+    return {"method": method, "model": str(folder), "num_speculative_tokens": k}
+
+
+def eagle_folder(draft: str | None) -> Path:
+    """A vLLM draft folder: an exported one as it is; a draft .safetensors (None: the shipped draft of
+    the default model) exported once under the cache dir, keyed by its content."""
+    from components.proposer.eagle import shipped_draft
+    path = Path(draft).expanduser() if draft else shipped_draft("smollm2_135m")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"vllm draft={path} has no config.json: export the draft with "
+                            "`python -m pipeline.export <draft.safetensors> <dir> --format eagle`")
+        return path
+    if not path.is_file():
+        raise UserError(f"vllm draft={path} does not exist: give an EAGLE draft .safetensors or an exported folder")
+    from pipeline.export import EAGLE_EXPORT_VERSION
+    out = cache_dir() / f"{path.stem}-{content_key(path)}-vllm-eagle-v{EAGLE_EXPORT_VERSION}"
+    if (out / "config.json").is_file():
+        return out
+
+    def write(tmp: Path):
+        from pipeline.export import backbone_for, export_eagle  # loads the backbone: only when exporting
+        export_eagle(str(path), str(tmp), backbone_for(path, None))
+
+    try:
+        atomic_write(out, write)
+    except OSError:
+        if not (out / "config.json").is_file():
+            raise  # not a lost race with another process writing the same folder
+    return out
 
 
 def hf_folder(model_cfg, backbone, scratch: Path) -> Path:
@@ -117,7 +170,9 @@ class VllmPeer:
 
     def __init__(self, model_dir: Path, eos_ids: list[int], max_new_tokens: int, max_model_len: int,
                  batch_size: int = 1, speculative: dict | None = None, threads: int | None = None,
-                 python: Path | None = None, worker: Path | None = None, log_path: Path | None = None):
+                 python: Path | None = None, worker: Path | None = None, log_path: Path | None = None,
+                 eager: bool = False):
+        """eager: vLLM's enforce_eager (no torch.compile: starts in ~30 s, decodes slower; tests)."""
         positive_int(max_new_tokens, "max_new_tokens"), positive_int(batch_size, "batch_size")
         python = Path(python or VENV_PYTHON)
         if not python.is_file():
@@ -128,7 +183,7 @@ class VllmPeer:
         settings = {"model": str(model_dir), "dtype": "bfloat16", "skip_tokenizer_init": True,
                     "generation_config": "vllm",  # not the folder's generation defaults
                     "max_model_len": max_model_len, "max_num_seqs": batch_size, "seed": 0,
-                    "speculative_config": speculative}
+                    "speculative_config": speculative, "enforce_eager": eager}
         # vLLM's own defaults bind its compute to all cores but one (kept for its front end): give it
         # the thread count our pipelines get
         env = vllm_env(self.threads)
