@@ -32,6 +32,7 @@ from components.heads.medusa import MedusaHeads, draft_lm_weight
 from components.model.load import from_pretrained
 from pipeline.build import component
 from pipeline.errors import UserError, one_line_errors
+from pipeline.hf_peer import hf_config
 
 
 def full_vocab_projection(heads: MedusaHeads, backbone, k: int) -> torch.Tensor:
@@ -134,7 +135,6 @@ def _hf_layer(draft, fold: torch.Tensor | None) -> dict[str, torch.Tensor]:
 
 def _draft_config(args, **extra) -> dict:
     """The draft's HF config: the backbone's block shape, one layer, vLLM's keys in `extra`."""
-    from pipeline.hf_peer import hf_config
     cfg = hf_config(replace(args, n_layers=1)).to_dict()
     cfg.update({"architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16", **extra})
     return cfg

@@ -37,6 +37,8 @@ from components.model.load import cache_dir, content_key, from_pretrained, smoll
 from pipeline.core import Generation, UserError, positive_int
 from pipeline.io import atomic_write
 from pipeline.hf_peer import to_hf
+from components.proposer.eagle import shipped_draft
+from pipeline.export import EAGLE_EXPORT_VERSION, backbone_for, export_eagle
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VENV_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
@@ -102,7 +104,6 @@ def eagle_config(method: str, knobs: dict) -> dict:
 def eagle_folder(draft: str | None) -> Path:
     """A vLLM draft folder: an exported one as it is; a draft .safetensors (None: the shipped draft of
     the default model) exported once under the cache dir, keyed by its content."""
-    from components.proposer.eagle import shipped_draft
     path = Path(draft).expanduser() if draft else shipped_draft("smollm2_135m")
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -111,13 +112,11 @@ def eagle_folder(draft: str | None) -> Path:
         return path
     if not path.is_file():
         raise UserError(f"vllm draft={path} does not exist: give an EAGLE draft .safetensors or an exported folder")
-    from pipeline.export import EAGLE_EXPORT_VERSION
     out = cache_dir() / f"{path.stem}-{content_key(path)}-vllm-eagle-v{EAGLE_EXPORT_VERSION}"
     if (out / "config.json").is_file():
         return out
 
     def write(tmp: Path):
-        from pipeline.export import backbone_for, export_eagle  # loads the backbone: only when exporting
         export_eagle(str(path), str(tmp), backbone_for(path, None))
 
     try:

@@ -48,6 +48,9 @@ from components.model.linear import Dense
 from components.model.llama import Block, Transformer
 from components.model.load import Backbone, build, from_pretrained
 from pipeline.core import atomic_write, encode_chat, positive_int
+from omegaconf import OmegaConf
+from pipeline.build import component
+from pipeline.hf_peer import to_hf
 
 FINETUNE = ("lora", "full")
 
@@ -237,7 +240,6 @@ class Medusa2Module(MedusaModule):
         """Write the trained backbone (LoRA merged, float32) as a Hugging Face folder with the
         tokenizer, replacing an earlier run's. Returns what the heads' header records of it: the
         fingerprint of the folder as `model.path=` loads it, and the original's."""
-        from pipeline.hf_peer import to_hf  # transformers is slow to import: only when writing
         merged = Backbone(float32_copy(self.backbone_model, "cpu"), self.base.tokenizer, self.base.name)
 
         def write(tmp: Path) -> None:
@@ -285,8 +287,6 @@ def drift_of_run(run: str | Path, prompts: int = 32, max_new_tokens: int = 64) -
     """`drift` of a heads=medusa2 run's written backbone against the original it started from (the
     run's own model config, de-quantized to float32 as training did), both in float32, on the
     `prompts` training prompts after the run's data.max_samples (never trained on)."""
-    from omegaconf import OmegaConf  # a run's config, read back (only this entry point needs it)
-    from pipeline.build import component
     run = Path(run)
     cfg = OmegaConf.load(run / "train_config.yaml")
     base = component(cfg.model)
