@@ -85,7 +85,7 @@ def not_installed(name: str) -> str | None:
     if name not in SERVERS:
         raise UserError(f"unknown server {name!r}; known: {', '.join(SERVERS)} (or null with url=)")
     if name == "vllm" and not vllm_peer.available():
-        return f"server=vllm: vLLM is not installed ({vllm_peer.VENV_PYTHON} is missing): {vllm_peer.INSTALL_HINT}"
+        return f"server=vllm: vLLM is not installed (no complete {Path(vllm_peer.VENV_PYTHON).parents[1]}): {vllm_peer.INSTALL_HINT}"
     if name == "llama_cpp":
         missing = [m for m in LLAMA_SERVER_MODULES if importlib.util.find_spec(m) is None]
         if missing:

@@ -56,7 +56,10 @@ MEASURED = ("generation only: the bench's clock around each round, which is one 
 
 
 def available() -> bool:
-    return Path(VENV_PYTHON).is_file()
+    """Installed and complete: `make peer-vllm` stamps .installed last, so a venv still being built
+    (or whose install failed) is not taken for one."""
+    python = Path(VENV_PYTHON)
+    return python.is_file() and (python.parents[1] / ".installed").is_file()
 
 
 def speculative_config(knobs: dict) -> dict | None:

@@ -66,7 +66,10 @@ def test_entries_parse_and_speculation_options():
 
 @pytest.mark.parametrize("entry, fix", [
     ("vllm num_speculative_tokens=3", "add speculative=ngram"),
-    ("vllm speculative=eagle", "give speculative=ngram"),
+    ("vllm speculative=medusa", "give speculative=ngram, eagle, eagle3"),
+    ("vllm speculative=ngram draft=d.safetensors", "not ngram: drop it"),
+    ("vllm speculative=eagle prompt_lookup_max=2", "n-gram speculation's"),
+    ("vllm speculative=eagle draft=/nonexistent/d.safetensors", "does not exist"),
     ("vllm speculative=ngram num_speculative_tokens=0", "must be a positive int"),
     ("vllm speculative=ngram prompt_lookup_min=5 prompt_lookup_max=2", "lower it"),
 ])
@@ -141,7 +144,7 @@ def test_bench_runs_the_peer(tmp_path, fake_vllm):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (REPO_ROOT / ".venv-vllm" / "bin" / "python").is_file(),
+@pytest.mark.skipif(not vllm_peer.available(),
                     reason="vLLM is not installed (make peer-vllm)")
 def test_real_vllm_decodes_the_default_model(tmp_path):
     """The real vLLM on SmolLM2 in bfloat16, three of the bench's prompts beside our bfloat16 greedy
