@@ -12,8 +12,12 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <limits>
 #include <vector>
 
@@ -98,10 +102,259 @@ torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor w, bool out_bf16) {
   return out_bf16 ? yf.to(torch::kBFloat16) : yf;
 }
 
+// ---- 4-bit products: each weight tile decoded once for all the step's rows ----
+//
+// The native q4 layout (components/model/linear.py `Int4`), blocked so that what a block of 16
+// outputs needs for one 32-input chunk lies together: codes (N / 16, K / 32, 256) uint8, outputs
+// 4u .. 4u + 3 of the block in bytes [64 u, 64 u + 64), little-endian 16-bit word i holding their
+// codes for input i in its four nibbles (lowest first); sz (N / 16, K / 32, 32) bfloat16, the 16 outputs' (scale, zero):
+// w = (q - 8) scale + zero.
+// A group is decoded to bfloat16 through a 16-entry table (the 16 values its codes can take, each
+// exact in float32 and rounded once to nearest even): the weight every path multiplies by. Each
+// chunk of a block is decoded once and serves every row of the step:
+// - with AMX, as a 16 x 32 tile against 16-row tiles of x (`tdpbf16ps`, float32 accumulation);
+// - else as rows of a decoded block that `dot_block` reads for 4 rows at a time.
+// Each output's sum runs over its chunks in K order with the arithmetic of one path, chosen once per
+// process: a row's bits never depend on the other rows or on their count.
+constexpr int64_t QB = 16;  // outputs a block
+constexpr int64_t QG = 32;  // inputs a group (and a chunk)
+
+inline uint16_t bf16_bits(float f) {  // round to nearest even (finite values)
+  uint32_t b;
+  __builtin_memcpy(&b, &f, 4);
+  b += 0x7FFF + ((b >> 16) & 1);
+  return static_cast<uint16_t>(b >> 16);
+}
+
+inline float bf16_float(uint16_t h) {
+  const uint32_t b = static_cast<uint32_t>(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &b, 4);
+  return f;
+}
+
+// One chunk of a block: 16 outputs x 32 inputs -> out[n * stride + i] bfloat16 bits. The chunk's
+// codes come as 4 quads of outputs, 64 bytes a quad: 16-bit word i holds outputs 4u .. 4u + 3's codes
+// for input i in its four nibbles, lowest first; its sz as 16 (scale, zero) pairs.
+inline int code_of(const uint8_t* c, int64_t n, int64_t i) {
+  const uint16_t word = static_cast<uint16_t>(c[64 * (n / 4) + 2 * i] | (c[64 * (n / 4) + 2 * i + 1] << 8));
+  return (word >> (4 * (n % 4))) & 0x0F;
+}
+
+#if defined(__AVX512BW__)
+inline __m512i two_tables(__m512 q, float s0, float z0, float s1, float z1) {  // 32 bfloat16: output 0 in words 0..15
+  const __m512 t0 = _mm512_fmadd_ps(q, _mm512_set1_ps(s0), _mm512_set1_ps(z0));  // (q - 8) s + z, exact
+  const __m512 t1 = _mm512_fmadd_ps(q, _mm512_set1_ps(s1), _mm512_set1_ps(z1));
+#if defined(__AVX512BF16__)
+  return (__m512i)_mm512_cvtne2ps_pbh(t1, t0);
+#else
+  auto rnd = [](__m512 f) {
+    __m512i b = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16));
+  };
+  return _mm512_inserti64x4(_mm512_castsi256_si512(rnd(t0)), rnd(t1), 1);
+#endif
+}
+
+inline void decode_chunk(const uint8_t* c, const uint16_t* sz, uint16_t* out, int64_t stride) {
+  alignas(64) float f[32];  // scale, zero of each output, as float32 (a bfloat16's bits shifted up)
+  const __m512i v = _mm512_loadu_si512(sz);  // lane n: scale (low half) | zero (high half)
+  _mm512_store_ps(f, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+  _mm512_store_ps(f + 16, _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF0000u))));
+  const __m512 q = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512i m4 = _mm512_set1_epi16(0x0F), second = _mm512_set1_epi16(0x10);
+  for (int64_t u = 0; u < 4; ++u) {
+    const int64_t n = 4 * u;
+    const __m512i w = _mm512_loadu_si512(c + 64 * u);
+    const __m512i lut01 = two_tables(q, f[n], f[16 + n], f[n + 1], f[16 + n + 1]);
+    const __m512i lut23 = two_tables(q, f[n + 2], f[16 + n + 2], f[n + 3], f[16 + n + 3]);
+    _mm512_storeu_si512(out + n * stride, _mm512_permutexvar_epi16(_mm512_and_si512(w, m4), lut01));
+    _mm512_storeu_si512(out + (n + 1) * stride,
+                        _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w, 4), m4), second), lut01));
+    _mm512_storeu_si512(out + (n + 2) * stride, _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(w, 8), m4), lut23));
+    _mm512_storeu_si512(out + (n + 3) * stride, _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(w, 12), second), lut23));
+  }
+}
+#else
+inline void decode_chunk(const uint8_t* c, const uint16_t* sz, uint16_t* out, int64_t stride) {
+  for (int64_t n = 0; n < QB; ++n) {
+    uint16_t lut[16];
+    const float s = bf16_float(sz[2 * n]), z = bf16_float(sz[2 * n + 1]);
+    for (int i = 0; i < 16; ++i) lut[i] = bf16_bits(static_cast<float>(i - 8) * s + z);
+    uint16_t* o = out + n * stride;
+    for (int64_t i = 0; i < QG; ++i) o[i] = lut[code_of(c, n, i)];
+  }
+}
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+constexpr bool AMX_BUILT = true;
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {0};
+  uint16_t colsb[16] = {0};
+  uint8_t rows[16] = {0};
+};
+
+bool amx_permitted() {  // Linux hands AMX's tile state to a process that asks (arch_prctl)
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+// One block of 16 outputs x up to 6 tiles of 16 rows: tmm0 the decoded weights (16 outputs x 32
+// inputs), tmm1 a chunk of x in AMX's pair layout, tmm2.. the (output, row) float32 sums.
+template <int T>
+void q4_block_amx(const uint8_t* codes, const uint16_t* sz, int64_t groups, const uint16_t* xv,
+                  int64_t tile_stride, float* cbuf, uint16_t* a) {
+  for (int64_t g = 0; g < groups; ++g)  // the block decoded first: its tiles then load from L1 / L2
+    decode_chunk(codes + g * 256, sz + g * 32, a + g * QB * QG, QG);
+  if constexpr (T > 0) _tile_zero(2);
+  if constexpr (T > 1) _tile_zero(3);
+  if constexpr (T > 2) _tile_zero(4);
+  if constexpr (T > 3) _tile_zero(5);
+  if constexpr (T > 4) _tile_zero(6);
+  if constexpr (T > 5) _tile_zero(7);
+  for (int64_t g = 0; g < groups; ++g) {
+    _tile_loadd(0, a + g * QB * QG, 64);
+    const uint16_t* xg = xv + g * 512;
+#define STEP(t, c)                            \
+  if constexpr (T > t) {                      \
+    _tile_loadd(1, xg + t * tile_stride, 64); \
+    _tile_dpbf16ps(c, 0, 1);                  \
+  }
+    STEP(0, 2) STEP(1, 3) STEP(2, 4) STEP(3, 5) STEP(4, 6) STEP(5, 7)
+#undef STEP
+  }
+  if constexpr (T > 0) _tile_stored(2, cbuf + 0 * 256, 64);
+  if constexpr (T > 1) _tile_stored(3, cbuf + 1 * 256, 64);
+  if constexpr (T > 2) _tile_stored(4, cbuf + 2 * 256, 64);
+  if constexpr (T > 3) _tile_stored(5, cbuf + 3 * 256, 64);
+  if constexpr (T > 4) _tile_stored(6, cbuf + 4 * 256, 64);
+  if constexpr (T > 5) _tile_stored(7, cbuf + 5 * 256, 64);
+}
+
+torch::Tensor q4_mm_amx(torch::Tensor x, torch::Tensor codes, torch::Tensor sz, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1), groups = K / QG;
+  const int64_t MT = (M + 15) / 16;
+  // x in AMX's pair layout: tile t, chunk g, pair p, row m, (2p, 2p + 1); padding rows zero
+  auto xv_t = torch::zeros({MT, groups, 16, 16, 2}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto* xv = reinterpret_cast<uint16_t*>(xv_t.data_ptr<at::BFloat16>());
+  for (int64_t m = 0; m < M; ++m) {
+    uint16_t* xt = xv + (m / 16) * groups * 512 + (m % 16) * 2;
+    for (int64_t k = 0; k < K; k += 2) {  // pair (k, k + 1) of row m: chunk k / 32, pair (k % 32) / 2
+      uint16_t* d = xt + (k / QG) * 512 + ((k % QG) / 2) * 32;
+      d[0] = xp[m * K + k];
+      d[1] = xp[m * K + k + 1];
+    }
+  }
+  auto y = torch::empty({M, N}, x.options());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const auto* cp = codes.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
+  const int64_t tile_stride = groups * 512;
+  at::parallel_for(0, N / QB, 1, [&](int64_t b0, int64_t b1) {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+    alignas(64) float cbuf[6 * 256];
+    std::vector<uint16_t> a(groups * QB * QG);  // the block's weights, decoded, chunk by chunk
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* cb = cp + b * groups * 256;
+      const uint16_t* sb = sp + b * groups * 32;
+      for (int64_t t0 = 0; t0 < MT; t0 += 6) {
+        const int64_t T = std::min<int64_t>(6, MT - t0);
+        const uint16_t* xt = xv + t0 * tile_stride;
+        switch (T) {
+          case 1: q4_block_amx<1>(cb, sb, groups, xt, tile_stride, cbuf, a.data()); break;
+          case 2: q4_block_amx<2>(cb, sb, groups, xt, tile_stride, cbuf, a.data()); break;
+          case 3: q4_block_amx<3>(cb, sb, groups, xt, tile_stride, cbuf, a.data()); break;
+          case 4: q4_block_amx<4>(cb, sb, groups, xt, tile_stride, cbuf, a.data()); break;
+          case 5: q4_block_amx<5>(cb, sb, groups, xt, tile_stride, cbuf, a.data()); break;
+          default: q4_block_amx<6>(cb, sb, groups, xt, tile_stride, cbuf, a.data()); break;
+        }
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t mm = 0; mm < 16; ++mm) {
+            const int64_t m = (t0 + t) * 16 + mm;
+            if (m >= M) break;
+            for (int64_t n = 0; n < QB; ++n) yp[m * N + b * QB + n] = bf16_bits(cbuf[t * 256 + n * 16 + mm]);
+          }
+      }
+    }
+    _tile_release();
+  });
+  return y;
+}
+#else
+constexpr bool AMX_BUILT = false;
+bool amx_permitted() { return false; }
+torch::Tensor q4_mm_amx(torch::Tensor x, torch::Tensor, torch::Tensor, int64_t) { return x; }
+#endif
+
+torch::Tensor q4_mm_dot(torch::Tensor x, torch::Tensor codes, torch::Tensor sz, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1), groups = K / QG;
+  auto yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  const auto* xp = x.data_ptr<at::BFloat16>();
+  const auto* cp = codes.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
+  float* yp = yf.data_ptr<float>();
+  at::parallel_for(0, N / QB, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<uint16_t> w(QB * K);  // the block's 16 outputs decoded, [out, in]
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t g = 0; g < groups; ++g)
+        decode_chunk(cp + (b * groups + g) * 256, sp + (b * groups + g) * 32, w.data() + g * QG, K);
+      const auto* wb = reinterpret_cast<const at::BFloat16*>(w.data());
+      for (int64_t j = 0; j < QB; j += NB)
+        for (int64_t r0 = 0; r0 < M; r0 += RB) {
+          const at::BFloat16* xr = xp + r0 * K;
+          float* yr = yp + r0 * N + b * QB + j;
+          switch (std::min(RB, M - r0)) {
+            case 1: dot_block<1>(xr, K, wb + j * K, yr, N); break;
+            case 2: dot_block<2>(xr, K, wb + j * K, yr, N); break;
+            case 3: dot_block<3>(xr, K, wb + j * K, yr, N); break;
+            default: dot_block<4>(xr, K, wb + j * K, yr, N); break;
+          }
+        }
+    }
+  });
+  return yf.to(torch::kBFloat16);
+}
+
+// Which arithmetic the 4-bit product takes in this process: "amx" (AMX built, the kernel permits
+// it, and LLM_DECODE_AMX is not 0), else "avx512_bf16" or "float32" (dot_block's two paths). Decided
+// once: every product of the process then gives a row the same bits.
+const std::string& q4_path() {
+  static const std::string path = [] {
+    const char* env = std::getenv("LLM_DECODE_AMX");
+    const bool off = env && std::string(env) == "0";
+    if (AMX_BUILT && !off && amx_permitted()) return std::string("amx");
+#if defined(__AVX512BF16__)
+    return std::string("avx512_bf16");
+#else
+    return std::string("float32");
+#endif
+  }();
+  return path;
+}
+
+// x (M, K) bfloat16 times the native q4 layout (codes (N / 16, K / 32, 256) uint8, sz (N / 16, K / 32,
+// 32) bfloat16) -> (M, N) bfloat16.
+torch::Tensor q4_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor sz) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && codes.scalar_type() == torch::kUInt8 &&
+              sz.scalar_type() == torch::kBFloat16, "q4_mm: bfloat16 x, uint8 codes, bfloat16 scales");
+  x = x.contiguous();
+  const int64_t K = x.size(1), N = codes.size(0) * QB;
+  TORCH_CHECK(codes.is_contiguous() && sz.is_contiguous() && K % QG == 0 && codes.dim() == 3 &&
+              codes.size(1) == K / QG && codes.size(2) == 256 && sz.dim() == 3 && sz.size(0) == codes.size(0) &&
+              sz.size(1) == K / QG && sz.size(2) == 32,
+              "q4_mm: shapes must be x (M, K), codes (N / 16, K / 32, 256), sz (N / 16, K / 32, 32)");
+  return q4_path() == "amx" ? q4_mm_amx(x, codes, sz, N) : q4_mm_dot(x, codes, sz, N);
+}
+
 // A product y = x W as the plan computes it: kind 0 `x @ W` on [in, out], 1 `linear` on [out, in],
 // 2 torch's int4 kernel (a = packed, b = scales and zeros), 3 torch's int8 kernel (a = codes, b = row
 // scales), 5 the native bfloat16 product (`bf16_mm`, a = W [out, in]); x padded with zero rows to
-// `min_rows` first.
+// `min_rows` first; 6 the native 4-bit product (`q4_mm`, a = codes, b = scales and zeros).
 struct Product {
   int64_t kind;
   torch::Tensor a, b;
@@ -122,6 +375,7 @@ torch::Tensor apply(const Product& p, torch::Tensor x) {  // x: (n, in) -> (n, o
     case 2: y = at::_weight_int4pack_mm_for_cpu(x, p.a, p.group, p.b); break;
     case 3: y = at::_weight_int8pack_mm(x.contiguous(), p.a, p.b); break;
     case 5: y = bf16_mm(x, p.a, true); break;
+    case 6: y = q4_mm(x, p.a, p.b); break;
     default: TORCH_CHECK(false, "unknown product kind ", p.kind);
   }
   return y.size(0) == n ? y : y.narrow(0, 0, n);
@@ -337,6 +591,8 @@ torch::Tensor post_attention(torch::Tensor x, torch::Tensor y, std::vector<torch
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("bf16_mm", &bf16_mm);
+  m.def("q4_mm", &q4_mm);
+  m.def("q4_path", []() { return q4_path(); });
   m.def("pre_attention", &pre_attention);
   m.def("attention", &attention);
   m.def("silu_mul", &silu_mul);
