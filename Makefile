@@ -14,7 +14,7 @@ PIP := $(PY) -m pip
 	touch $@
 
 setup: .venv/.installed browser
-	$(PY) -m components.model.native  # the fused C++ kernels for this CPU (~1 min once); a failed build says so and falls back
+	$(PY) -c "import sys, components.model.native as n; sys.exit(n.main())"  # the fused C++ kernels for this CPU (~1 min once); a failed build says so and falls back
 
 # The page test (tests/test_page.py) drives Debian's Chromium; without it (no root apt-get) the test skips, saying how.
 browser:

@@ -201,36 +201,37 @@ bool amx_permitted() {  // Linux hands AMX's tile state to a process that asks (
   return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
-// One block of 16 outputs x up to 6 tiles of 16 rows: tmm0 the decoded weights (16 outputs x 32
-// inputs), tmm1 a chunk of x in AMX's pair layout, tmm2.. the (output, row) float32 sums.
+// One block of 16 outputs x up to 3 tiles of 16 rows: tmm0 the decoded weights (16 outputs x 32
+// inputs), tmm1 a chunk of x in AMX's pair layout, tmm2 + 2t / tmm3 + 2t the (output, row) float32 sums
+// of row tile t over the even / odd chunks (two chains, so that one product need not wait for the
+// last); the two are added at the end, in that order, for every row count.
 template <int T>
 void q4_block_amx(const uint8_t* codes, const uint16_t* sz, int64_t groups, const uint16_t* xv,
-                  int64_t tile_stride, float* cbuf, uint16_t* a) {
-  for (int64_t g = 0; g < groups; ++g)  // the block decoded first: its tiles then load from L1 / L2
-    decode_chunk(codes + g * 256, sz + g * 32, a + g * QB * QG, QG);
-  if constexpr (T > 0) _tile_zero(2);
-  if constexpr (T > 1) _tile_zero(3);
-  if constexpr (T > 2) _tile_zero(4);
-  if constexpr (T > 3) _tile_zero(5);
-  if constexpr (T > 4) _tile_zero(6);
-  if constexpr (T > 5) _tile_zero(7);
-  for (int64_t g = 0; g < groups; ++g) {
-    _tile_loadd(0, a + g * QB * QG, 64);
-    const uint16_t* xg = xv + g * 512;
+                  int64_t tile_stride, float* cbuf) {
+  alignas(64) uint16_t a[2][QB * QG];
+  if constexpr (T > 0) { _tile_zero(2); _tile_zero(3); }
+  if constexpr (T > 1) { _tile_zero(4); _tile_zero(5); }
+  if constexpr (T > 2) { _tile_zero(6); _tile_zero(7); }
 #define STEP(t, c)                            \
   if constexpr (T > t) {                      \
     _tile_loadd(1, xg + t * tile_stride, 64); \
     _tile_dpbf16ps(c, 0, 1);                  \
   }
-    STEP(0, 2) STEP(1, 3) STEP(2, 4) STEP(3, 5) STEP(4, 6) STEP(5, 7)
-#undef STEP
+  for (int64_t g = 0; g < groups; ++g) {
+    uint16_t* ag = a[g & 1];
+    decode_chunk(codes + g * 256, sz + g * 32, ag, QG);
+    _tile_loadd(0, ag, 64);
+    const uint16_t* xg = xv + g * 512;
+    if (g % 2 == 0) {
+      STEP(0, 2) STEP(1, 4) STEP(2, 6)
+    } else {
+      STEP(0, 3) STEP(1, 5) STEP(2, 7)
+    }
   }
-  if constexpr (T > 0) _tile_stored(2, cbuf + 0 * 256, 64);
-  if constexpr (T > 1) _tile_stored(3, cbuf + 1 * 256, 64);
-  if constexpr (T > 2) _tile_stored(4, cbuf + 2 * 256, 64);
-  if constexpr (T > 3) _tile_stored(5, cbuf + 3 * 256, 64);
-  if constexpr (T > 4) _tile_stored(6, cbuf + 4 * 256, 64);
-  if constexpr (T > 5) _tile_stored(7, cbuf + 5 * 256, 64);
+#undef STEP
+  if constexpr (T > 0) { _tile_stored(2, cbuf + 0 * 256, 64); _tile_stored(3, cbuf + 1 * 256, 64); }
+  if constexpr (T > 1) { _tile_stored(4, cbuf + 2 * 256, 64); _tile_stored(5, cbuf + 3 * 256, 64); }
+  if constexpr (T > 2) { _tile_stored(6, cbuf + 4 * 256, 64); _tile_stored(7, cbuf + 5 * 256, 64); }
 }
 
 torch::Tensor q4_mm_amx(torch::Tensor x, torch::Tensor codes, torch::Tensor sz, int64_t N) {
@@ -258,26 +259,24 @@ torch::Tensor q4_mm_amx(torch::Tensor x, torch::Tensor codes, torch::Tensor sz, 
     for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
     alignas(64) float cbuf[6 * 256];
-    std::vector<uint16_t> a(groups * QB * QG);  // the block's weights, decoded, chunk by chunk
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* cb = cp + b * groups * 256;
       const uint16_t* sb = sp + b * groups * 32;
-      for (int64_t t0 = 0; t0 < MT; t0 += 6) {
-        const int64_t T = std::min<int64_t>(6, MT - t0);
+      for (int64_t t0 = 0; t0 < MT; t0 += 3) {
+        const int64_t T = std::min<int64_t>(3, MT - t0);
         const uint16_t* xt = xv + t0 * tile_stride;
         switch (T) {
-          case 1: q4_block_amx<1>(cb, sb, groups, xt, tile_stride, cbuf, a.data()); break;
-          case 2: q4_block_amx<2>(cb, sb, groups, xt, tile_stride, cbuf, a.data()); break;
-          case 3: q4_block_amx<3>(cb, sb, groups, xt, tile_stride, cbuf, a.data()); break;
-          case 4: q4_block_amx<4>(cb, sb, groups, xt, tile_stride, cbuf, a.data()); break;
-          case 5: q4_block_amx<5>(cb, sb, groups, xt, tile_stride, cbuf, a.data()); break;
-          default: q4_block_amx<6>(cb, sb, groups, xt, tile_stride, cbuf, a.data()); break;
+          case 1: q4_block_amx<1>(cb, sb, groups, xt, tile_stride, cbuf); break;
+          case 2: q4_block_amx<2>(cb, sb, groups, xt, tile_stride, cbuf); break;
+          default: q4_block_amx<3>(cb, sb, groups, xt, tile_stride, cbuf); break;
         }
         for (int64_t t = 0; t < T; ++t)
           for (int64_t mm = 0; mm < 16; ++mm) {
             const int64_t m = (t0 + t) * 16 + mm;
             if (m >= M) break;
-            for (int64_t n = 0; n < QB; ++n) yp[m * N + b * QB + n] = bf16_bits(cbuf[t * 256 + n * 16 + mm]);
+            const float* even = cbuf + 2 * t * 256 + mm;
+            const float* odd = even + 256;
+            for (int64_t n = 0; n < QB; ++n) yp[m * N + b * QB + n] = bf16_bits(even[n * 16] + odd[n * 16]);
           }
       }
     }
