@@ -78,6 +78,57 @@ def test_bf16_mm(shape, rows):
     assert rows_invariant(lambda t: ops.bf16_mm(t, w, False), x)
 
 
+def q4_case(k: int, n: int, seed: int = 5):
+    """A random 4-bit matrix (in k, out n) as Int4 on the native product, and its weights as the
+    kernel decodes them: (q - 8) scale + zero in float32 with the bfloat16 scale and zero, rounded
+    once to bfloat16 ([out, in])."""
+    w = torch.randn(n, k, generator=gen(seed)) * 0.05
+    codes, scale, zero = quantize_q4(w)
+    m = Int4(codes, scale, zero)
+    assert m.use_native(ops) and m.native_ok
+    sz = m.scale_zeros.float()  # (in / 32, out, 2)
+    s, z = sz[..., 0].t().repeat_interleave(32, 1), sz[..., 1].t().repeat_interleave(32, 1)
+    return m, ((codes.float() - 8) * s + z).bfloat16()
+
+
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (576, 3072), (64, 16)])  # (in, out)
+@pytest.mark.parametrize("rows", ROWS)
+def test_q4_mm(shape, rows):
+    """The native 4-bit product (q4_mm): float32 sums of exact products of the decoded bfloat16
+    weights, rounded once (within a bfloat16 step of the float64 product), bit for bit across row
+    counts, and within a few steps of torch's int4 kernel (which multiplies by the float32 weights)."""
+    k, n = shape
+    m, wd = q4_case(k, n)
+    x = torch.randn(rows, k, generator=gen(rows)).bfloat16()
+    got = m(x)
+    ref = x.double() @ wd.double().t()
+    assert close(got, ref, 1.0)
+    assert rows_invariant(m, x)
+    assert close(got, torch._weight_int4pack_mm_for_cpu(x, m.packed, 32, m.scale_zeros), 4.0)
+
+
+def test_q4_mm_decodes_the_weights_exactly():
+    """Unit rows read the decoded weights back, bit for bit: every code, scale and zero of the
+    layout lands where the kernel multiplies by it."""
+    m, wd = q4_case(1536, 576)
+    assert torch.equal(m(torch.eye(1536, dtype=torch.bfloat16)), wd.t())
+    assert ops.q4_path() in ("amx", "avx512_bf16", "float32")
+
+
+def test_q4_mm_other_path_in_a_subprocess():
+    """The path this process did not take (LLM_DECODE_AMX=0 turns AMX off; where AMX is absent the
+    variable changes nothing): the same checks in a fresh process."""
+    import os
+    import subprocess
+    import sys
+    code = ("import test_native as t, torch; assert t.ops.q4_path() != 'amx'; "
+            "[t.test_q4_mm(s, r) for s in [(576, 960), (1536, 576)] for r in (1, 5, 33)]; "
+            "t.test_q4_mm_decodes_the_weights_exactly(); print(t.ops.q4_path())")
+    env = {**os.environ, "LLM_DECODE_AMX": "0"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def torch_pre_attention(x, w, wqkv, cos, sin, nh, nkv, hs):
     """The pure-torch order: RMSNorm, the product, RoPE in float32 rounded once."""
     qkv = wqkv(F.rms_norm(x, x.shape[-1:], w, eps=1e-5)).float()
@@ -88,13 +139,14 @@ def torch_pre_attention(x, w, wqkv, cos, sin, nh, nkv, hs):
     return qk[:, :nh].bfloat16(), qk[:, nh:].bfloat16(), qkv[:, (nh + nkv) * hs:].view(R, nkv, hs).bfloat16()
 
 
-@pytest.mark.parametrize("precision", ["bfloat16", "q4"])
+@pytest.mark.parametrize("precision", ["bfloat16", "q4", "q4_torch"])
 @pytest.mark.parametrize("rows", ROWS)
 def test_pre_attention(precision, rows):
     nh, nkv, hs, dim = 9, 3, 64, 576
     w = torch.randn(dim, (nh + 2 * nkv) * hs, generator=gen(2)) * 0.05
-    if precision == "q4":
+    if precision.startswith("q4"):  # the native 4-bit product, or torch's int4 kernel
         m = Int4(*quantize_q4(w.t()))
+        assert m.use_native(ops if precision == "q4" else None) == (precision == "q4")
         spec, fn = m.spec(), m
     else:
         wb = w.bfloat16()

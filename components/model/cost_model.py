@@ -17,7 +17,7 @@ from pipeline.core import atomic_write
 
 def _precision_key(args, device: torch.device, native: bool) -> str:
     parts = [*machine_parts(device), f"{args.n_layers}x{args.dim}x{args.hidden_dim}x{args.n_heads}x{args.n_kv_heads}",
-             str(args.vocab_size), f"native={native}", "precision-v3"]
+             str(args.vocab_size), f"native={native}", "precision-v4"]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -62,7 +62,7 @@ def _precision_cost(mode: str, args, shapes, device, sync, rows: int, ops, invar
         head = n == args.vocab_size
         if mode == "q4" and not head:
             m = Int4(*quantize_q4(w.t().cpu()), device=device)
-            fns, native_product = {"int4": m.product}, False
+            fns, native_product = {"int4": m.product}, m.use_native(ops)  # as Transformer.use_native
             dt = torch.bfloat16
         else:
             dt = torch.bfloat16 if mode == "q4" else getattr(torch, mode)

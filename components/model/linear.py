@@ -1,14 +1,15 @@
 """The backbone's weight matrices, one class per storage: `Dense` (float32 / bfloat16, [in, out] with an
 optional [out, in] copy for the multi-row kernels of components/model/kernels.py), `Int4` (4-bit
-codes in groups of 32 with a scale and a zero per group, torch's weight-only int4 kernels, bfloat16
-activations) and `Int8Rows` (8-bit codes with one scale per output row: the q4 mode's LM head with
+codes in groups of 32 with a scale and a zero per group, bfloat16 activations: the native 4-bit
+product where the fused kernels are built, else torch's weight-only int4 kernels) and `Int8Rows` (8-bit codes with one scale per output row: the q4 mode's LM head with
 `model.head=int8`, where the machine measures it faster than bfloat16).
 
 In the bfloat16 and q4 modes a row must get the same bits whatever rows are computed with it, so
 that a tree's rows equal the plain steps they replace. Each module's `min_rows` (probed per
 machine, components/model/tuner.py) pads its input with zero rows to the row count from which
 its kernel is invariant: 1 for torch's int4 kernel everywhere seen, 2 for oneDNN's bfloat16 product
-on AVX-512 (its one-row gemv differs for a long inner dimension), 32 for it on AMX.
+on AVX-512 (its one-row gemv differs for a long inner dimension), 32 for it on AMX. The native
+products (csrc/decode_ops.cpp `bf16_mm`, `q4_mm`) are invariant by construction.
 """
 from __future__ import annotations
 
@@ -68,10 +69,29 @@ def quantize_q4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torc
     return codes, scale, lo + 8 * scale
 
 
+def native_q4_layout(codes: torch.Tensor, scale_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes (out, in) 0..15 and scale_zeros (in / 32, out, 2) bfloat16 -> the native 4-bit product's
+    layout (csrc/decode_ops.cpp `q4_mm`): codes (out / 16, in / 32, 256) uint8, outputs 4u .. 4u + 3 of
+    each block of 16 in one little-endian 16-bit word per input, a nibble each; sz (out / 16, in / 32,
+    32) bfloat16, each output's (scale, zero) for the chunk."""
+    out, k = codes.shape
+    c = codes.to(torch.int32).view(out // 16, 4, 4, k // 32, 32)
+    words = c[:, :, 0] | c[:, :, 1] << 4 | c[:, :, 2] << 8 | c[:, :, 3] << 12  # (out / 16, 4, in / 32, 32)
+    packed = torch.stack((words & 0xFF, words >> 8), dim=-1).to(torch.uint8)
+    packed = packed.transpose(1, 2).reshape(out // 16, k // 32, 256).contiguous()
+    sz = scale_zeros.transpose(0, 1).reshape(out // 16, 16, k // 32, 2).transpose(1, 2)
+    return packed, sz.reshape(out // 16, k // 32, 32).contiguous()
+
+
 class Int4(nn.Module):
-    """w = (q - 8) * scale + zero, groups of `group` along the input dimension. The kernel keeps scale and
-    zero in bfloat16 (its only fast activation dtype on CPU): the one place a Q4_1 block's d and m + 8d
-    are rounded. Activations go in and come out in bfloat16."""
+    """w = (q - 8) * scale + zero, groups of `group` along the input dimension. The kernels keep scale
+    and zero in bfloat16 (torch's only fast activation dtype on CPU): the one place a Q4_1 block's d
+    and m + 8d are rounded. Activations go in and come out in bfloat16.
+
+    With the fused kernels (`use_native`), the product is the native one (`q4_mm`): each weight is
+    decoded to bfloat16 once per step for all its rows (AMX tiles where the CPU has them), so rows
+    cost little, and a row's bits never depend on the others. torch's kernel multiplies by the
+    weights in float32 and decodes them again for every 4 rows; the two differ in the last bits."""
 
     dtype = torch.bfloat16
 
@@ -90,9 +110,26 @@ class Int4(nn.Module):
             packed = torch._convert_weight_to_int4pack(pairs, tiles)
         self.register_buffer("packed", packed)
         self.min_rows = 1
+        self.native = None  # the fused kernels' module where `use_native` turned them on
+        fits = device.type == "cpu" and self.group == 32 and out % 16 == 0
+        layout = native_q4_layout(codes, self.scale_zeros) if fits else (None, None)
+        self.register_buffer("q4_codes", layout[0], persistent=False)
+        self.register_buffer("q4_sz", layout[1], persistent=False)
+
+    def use_native(self, ops) -> bool:
+        """Compute with the native 4-bit product of `ops` (the fused kernels' module; None: torch's
+        kernel). Returns whether it is in use."""
+        self.native = ops if ops is not None and self.q4_codes is not None and hasattr(ops, "q4_mm") else None
+        return self.native is not None
+
+    @property
+    def native_ok(self) -> bool:
+        return self.native is not None
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
         """x2: (rows, in) bfloat16 -> (rows, out) bfloat16, as the kernel computes it (no padding)."""
+        if self.native is not None:
+            return self.native.q4_mm(x2, self.q4_codes, self.q4_sz)
         if x2.device.type == "cpu":
             return torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scale_zeros)
         return torch._weight_int4pack_mm(x2, self.packed, self.group, self.scale_zeros)
@@ -102,14 +139,17 @@ class Int4(nn.Module):
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
         n = x2.shape[0]
-        y = self.product(at_least(x2, self.min_rows))
+        y = self.product(x2 if self.native is not None else at_least(x2, self.min_rows))
         if y.shape[0] != n:
             y = y[:n]
         y = y.view(*x.shape[:-1], self.out_features)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def spec(self, kernel: str = "") -> tuple[list[torch.Tensor], list[int]]:
-        """This product for the native kernels (csrc/decode_ops.cpp `Product`)."""
+        """This product for the native kernels (csrc/decode_ops.cpp `Product`): the native 4-bit
+        product where in use, else torch's int4 kernel with the probed padding."""
+        if self.native is not None:
+            return [self.q4_codes, self.q4_sz], [6, self.group, 1]
         return [self.packed, self.scale_zeros], [2, self.group, self.min_rows]
 
     @classmethod

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from components.model import native
 from components.model.kernels import KERNELS, PRODUCTS, KernelPlan, matmul
-from components.model.linear import Dense, Int8Rows
+from components.model.linear import Dense, Int4, Int8Rows
 from components.model.tuner import plan_for
 from pipeline.core import StepBatch
 
@@ -368,7 +368,7 @@ class Transformer(nn.Module):
         invariant by construction (tests/test_native.py)."""
         if self.native is None:
             return list(PRODUCTS)
-        out = [n for n in Block.MATRICES if self.layers and not (isinstance(m := getattr(self.layers[0], n), Dense) and m.native_ok)]
+        out = [n for n in Block.MATRICES if self.layers and not getattr(getattr(self.layers[0], n), "native_ok", False)]
         return out if self.native_head(1) else [*out, "head"]
 
     def use_native(self, enable: bool = True) -> bool:
@@ -377,6 +377,10 @@ class Transformer(nn.Module):
         before KV managers are made: it decides `attn_dtype`."""
         ok = enable and self.dtype == torch.bfloat16 and self.device.type == "cpu"
         self.native = native.load() if ok else None
+        for blk in self.layers:
+            for m in blk.matrices():
+                if isinstance(m, Int4):
+                    m.use_native(self.native)
         return self.native is not None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
