@@ -112,7 +112,7 @@ def test_q4_mm_decodes_the_weights_exactly():
     layout lands where the kernel multiplies by it."""
     m, wd = q4_case(1536, 576)
     assert torch.equal(m(torch.eye(1536, dtype=torch.bfloat16)), wd.t())
-    assert ops.q4_path() in ("amx", "avx512_bf16", "float32")
+    assert ops.product_path() in ("amx", "avx512_bf16", "float32")
 
 
 def test_q4_mm_other_path_in_a_subprocess():
@@ -121,9 +121,9 @@ def test_q4_mm_other_path_in_a_subprocess():
     import os
     import subprocess
     import sys
-    code = ("import test_native as t, torch; assert t.ops.q4_path() != 'amx'; "
+    code = ("import test_native as t, torch; assert t.ops.product_path() != 'amx'; "
             "[t.test_q4_mm(s, r) for s in [(576, 960), (1536, 576)] for r in (1, 5, 33)]; "
-            "t.test_q4_mm_decodes_the_weights_exactly(); print(t.ops.q4_path())")
+            "t.test_q4_mm_decodes_the_weights_exactly(); print(t.ops.product_path())")
     env = {**os.environ, "LLM_DECODE_AMX": "0"}
     r = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]

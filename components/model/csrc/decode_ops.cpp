@@ -74,12 +74,8 @@ inline void dot_block(const at::BFloat16* x, int64_t K, const at::BFloat16* w, f
 }
 #endif
 
-torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor w, bool out_bf16) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16, "bf16_mm: bfloat16 inputs");
-  x = x.contiguous();
-  TORCH_CHECK(w.is_contiguous(), "bf16_mm: W must be contiguous (N, K)");
+torch::Tensor bf16_mm_dot(torch::Tensor x, torch::Tensor w, bool out_bf16) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && N % NB == 0, "bf16_mm: bad shapes");
   auto yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   const auto* xp = x.data_ptr<at::BFloat16>();
   const auto* wp = w.data_ptr<at::BFloat16>();
@@ -190,6 +186,10 @@ inline void decode_chunk(const uint8_t* c, const uint16_t* sz, uint16_t* out, in
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 constexpr bool AMX_BUILT = true;
+// GCC's tile intrinsics are asm without a memory operand: the compiler must be told that a tile
+// load reads what was just stored (else it may drop the stores) and that a tile store writes
+// memory read next.
+inline void memory_fence() { __asm__ __volatile__("" ::: "memory"); }
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {0};
   uint16_t colsb[16] = {0};
@@ -201,14 +201,14 @@ bool amx_permitted() {  // Linux hands AMX's tile state to a process that asks (
   return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
-// One block of 16 outputs x up to 3 tiles of 16 rows: tmm0 the decoded weights (16 outputs x 32
-// inputs), tmm1 a chunk of x in AMX's pair layout, tmm2 + 2t / tmm3 + 2t the (output, row) float32 sums
-// of row tile t over the even / odd chunks (two chains, so that one product need not wait for the
-// last); the two are added at the end, in that order, for every row count.
-template <int T>
-void q4_block_amx(const uint8_t* codes, const uint16_t* sz, int64_t groups, const uint16_t* xv,
-                  int64_t tile_stride, float* cbuf) {
-  alignas(64) uint16_t a[2][QB * QG];
+// One block of 16 outputs x up to 3 tiles of 16 rows: tmm0 the block's weights for one 32-input
+// chunk (16 outputs x 32 inputs, put there by `load_a(g)`), tmm1 a chunk of x in AMX's pair layout,
+// tmm2 + 2t / tmm3 + 2t the (output, row) float32 sums of row tile t over the even / odd chunks (two
+// chains, so that one product need not wait for the last), added at the end in that order, for
+// every row count.
+template <int T, typename LoadA>
+void amx_block(int64_t groups, const uint16_t* xv, int64_t tile_stride, float* cbuf, LoadA load_a) {
+  memory_fence();
   if constexpr (T > 0) { _tile_zero(2); _tile_zero(3); }
   if constexpr (T > 1) { _tile_zero(4); _tile_zero(5); }
   if constexpr (T > 2) { _tile_zero(6); _tile_zero(7); }
@@ -218,9 +218,7 @@ void q4_block_amx(const uint8_t* codes, const uint16_t* sz, int64_t groups, cons
     _tile_dpbf16ps(c, 0, 1);                  \
   }
   for (int64_t g = 0; g < groups; ++g) {
-    uint16_t* ag = a[g & 1];
-    decode_chunk(codes + g * 256, sz + g * 32, ag, QG);
-    _tile_loadd(0, ag, 64);
+    load_a(g);
     const uint16_t* xg = xv + g * 512;
     if (g % 2 == 0) {
       STEP(0, 2) STEP(1, 4) STEP(2, 6)
@@ -232,9 +230,13 @@ void q4_block_amx(const uint8_t* codes, const uint16_t* sz, int64_t groups, cons
   if constexpr (T > 0) { _tile_stored(2, cbuf + 0 * 256, 64); _tile_stored(3, cbuf + 1 * 256, 64); }
   if constexpr (T > 1) { _tile_stored(4, cbuf + 2 * 256, 64); _tile_stored(5, cbuf + 3 * 256, 64); }
   if constexpr (T > 2) { _tile_stored(6, cbuf + 4 * 256, 64); _tile_stored(7, cbuf + 5 * 256, 64); }
+  memory_fence();
 }
 
-torch::Tensor q4_mm_amx(torch::Tensor x, torch::Tensor codes, torch::Tensor sz, int64_t N) {
+// y (M, N) = x (M, K) W^T through AMX, W given per block of 16 outputs by `block_a(b)`, which returns
+// the block's `load_a(g)`; float32 out, or bfloat16 (rounded once) with `out_bf16`.
+template <typename BlockA>
+torch::Tensor amx_mm(torch::Tensor x, int64_t N, bool out_bf16, BlockA block_a) {
   const int64_t M = x.size(0), K = x.size(1), groups = K / QG;
   const int64_t MT = (M + 15) / 16;
   // x in AMX's pair layout: tile t, chunk g, pair p, row m, (2p, 2p + 1); padding rows zero
@@ -249,10 +251,9 @@ torch::Tensor q4_mm_amx(torch::Tensor x, torch::Tensor codes, torch::Tensor sz, 
       d[1] = xp[m * K + k + 1];
     }
   }
-  auto y = torch::empty({M, N}, x.options());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const auto* cp = codes.data_ptr<uint8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
+  auto y = torch::empty({M, N}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat));
+  auto* yb = reinterpret_cast<uint16_t*>(out_bf16 ? y.data_ptr() : nullptr);
+  float* yf = out_bf16 ? nullptr : y.data_ptr<float>();
   const int64_t tile_stride = groups * 512;
   at::parallel_for(0, N / QB, 1, [&](int64_t b0, int64_t b1) {
     TileConfig cfg;
@@ -260,15 +261,14 @@ torch::Tensor q4_mm_amx(torch::Tensor x, torch::Tensor codes, torch::Tensor sz, 
     _tile_loadconfig(&cfg);
     alignas(64) float cbuf[6 * 256];
     for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* cb = cp + b * groups * 256;
-      const uint16_t* sb = sp + b * groups * 32;
+      auto load_a = block_a(b);
       for (int64_t t0 = 0; t0 < MT; t0 += 3) {
         const int64_t T = std::min<int64_t>(3, MT - t0);
         const uint16_t* xt = xv + t0 * tile_stride;
         switch (T) {
-          case 1: q4_block_amx<1>(cb, sb, groups, xt, tile_stride, cbuf); break;
-          case 2: q4_block_amx<2>(cb, sb, groups, xt, tile_stride, cbuf); break;
-          default: q4_block_amx<3>(cb, sb, groups, xt, tile_stride, cbuf); break;
+          case 1: amx_block<1>(groups, xt, tile_stride, cbuf, load_a); break;
+          case 2: amx_block<2>(groups, xt, tile_stride, cbuf, load_a); break;
+          default: amx_block<3>(groups, xt, tile_stride, cbuf, load_a); break;
         }
         for (int64_t t = 0; t < T; ++t)
           for (int64_t mm = 0; mm < 16; ++mm) {
@@ -276,7 +276,10 @@ torch::Tensor q4_mm_amx(torch::Tensor x, torch::Tensor codes, torch::Tensor sz, 
             if (m >= M) break;
             const float* even = cbuf + 2 * t * 256 + mm;
             const float* odd = even + 256;
-            for (int64_t n = 0; n < QB; ++n) yp[m * N + b * QB + n] = bf16_bits(even[n * 16] + odd[n * 16]);
+            if (out_bf16)
+              for (int64_t n = 0; n < QB; ++n) yb[m * N + b * QB + n] = bf16_bits(even[n * 16] + odd[n * 16]);
+            else
+              for (int64_t n = 0; n < QB; ++n) yf[m * N + b * QB + n] = even[n * 16] + odd[n * 16];
           }
       }
     }
@@ -284,10 +287,33 @@ torch::Tensor q4_mm_amx(torch::Tensor x, torch::Tensor codes, torch::Tensor sz, 
   });
   return y;
 }
+
+torch::Tensor q4_mm_amx(torch::Tensor x, torch::Tensor codes, torch::Tensor sz, int64_t N) {
+  const int64_t groups = x.size(1) / QG;
+  const auto* cp = codes.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
+  return amx_mm(x, N, true, [&](int64_t b) {
+    return [cb = cp + b * groups * 256, sb = sp + b * groups * 32](int64_t g) {
+      alignas(64) uint16_t a[QB * QG];
+      decode_chunk(cb + g * 256, sb + g * 32, a, QG);
+      memory_fence();
+      _tile_loadd(0, a, 64);
+    };
+  });
+}
+
+torch::Tensor bf16_mm_amx(torch::Tensor x, torch::Tensor w, bool out_bf16) {
+  const int64_t K = x.size(1);
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  return amx_mm(x, w.size(0), out_bf16, [&](int64_t b) {
+    return [wb = wp + b * QB * K, K](int64_t g) { _tile_loadd(0, wb + g * QG, K * 2); };
+  });
+}
 #else
 constexpr bool AMX_BUILT = false;
 bool amx_permitted() { return false; }
 torch::Tensor q4_mm_amx(torch::Tensor x, torch::Tensor, torch::Tensor, int64_t) { return x; }
+torch::Tensor bf16_mm_amx(torch::Tensor x, torch::Tensor, bool) { return x; }
 #endif
 
 torch::Tensor q4_mm_dot(torch::Tensor x, torch::Tensor codes, torch::Tensor sz, int64_t N) {
@@ -319,10 +345,10 @@ torch::Tensor q4_mm_dot(torch::Tensor x, torch::Tensor codes, torch::Tensor sz, 
   return yf.to(torch::kBFloat16);
 }
 
-// Which arithmetic the 4-bit product takes in this process: "amx" (AMX built, the kernel permits
+// Which arithmetic the products (bf16_mm, q4_mm) take in this process: "amx" (AMX built, the kernel permits
 // it, and LLM_DECODE_AMX is not 0), else "avx512_bf16" or "float32" (dot_block's two paths). Decided
 // once: every product of the process then gives a row the same bits.
-const std::string& q4_path() {
+const std::string& product_path() {
   static const std::string path = [] {
     const char* env = std::getenv("LLM_DECODE_AMX");
     const bool off = env && std::string(env) == "0";
@@ -336,6 +362,19 @@ const std::string& q4_path() {
   return path;
 }
 
+// y = x W^T for bfloat16 x (M, K) and W (N, K): through AMX where this process uses it and the shape
+// fits its tiles (K % 32 == 0, N % 16 == 0; a matrix's shape, so every row count of it takes the
+// same path), else `bf16_mm_dot`. float32 out, or bfloat16 with `out_bf16`.
+torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor w, bool out_bf16) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16, "bf16_mm: bfloat16 inputs");
+  x = x.contiguous();
+  TORCH_CHECK(w.is_contiguous(), "bf16_mm: W must be contiguous (N, K)");
+  const int64_t K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && N % NB == 0, "bf16_mm: bad shapes");
+  if (product_path() == "amx" && K % QG == 0 && N % QB == 0) return bf16_mm_amx(x, w, out_bf16);
+  return bf16_mm_dot(x, w, out_bf16);
+}
+
 // x (M, K) bfloat16 times the native q4 layout (codes (N / 16, K / 32, 256) uint8, sz (N / 16, K / 32,
 // 32) bfloat16) -> (M, N) bfloat16.
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor sz) {
@@ -347,7 +386,7 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor sz) {
               codes.size(1) == K / QG && codes.size(2) == 256 && sz.dim() == 3 && sz.size(0) == codes.size(0) &&
               sz.size(1) == K / QG && sz.size(2) == 32,
               "q4_mm: shapes must be x (M, K), codes (N / 16, K / 32, 256), sz (N / 16, K / 32, 32)");
-  return q4_path() == "amx" ? q4_mm_amx(x, codes, sz, N) : q4_mm_dot(x, codes, sz, N);
+  return product_path() == "amx" ? q4_mm_amx(x, codes, sz, N) : q4_mm_dot(x, codes, sz, N);
 }
 
 // A product y = x W as the plan computes it: kind 0 `x @ W` on [in, out], 1 `linear` on [out, in],
@@ -558,18 +597,27 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   }
 }
 
-// out[r, i] = bf16(silu(gu[r, i]) * gu[r, H + i]), gu: (R, 2H) bfloat16.
+// out[r, i] = bf16(silu(gu[r, i]) * gu[r, H + i]), gu: (R, 2H) bfloat16. The sigmoid from exp_neg of
+// -|a| (never overflows; plain float arithmetic, so the loop vectorizes and gives the same bits
+// wherever it runs), rows split across threads.
 torch::Tensor silu_mul(torch::Tensor gu) {
   gu = gu.contiguous();
   const int64_t R = gu.size(0), H = gu.size(1) / 2;
   auto out = torch::empty({R, H}, gu.options());
   const auto* g = gu.data_ptr<at::BFloat16>();
   auto* o = out.data_ptr<at::BFloat16>();
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t i = 0; i < H; ++i) {
-      const float a = f32(g[r * 2 * H + i]), u = f32(g[r * 2 * H + H + i]);
-      o[r * H + i] = at::BFloat16(a / (1.0f + std::exp(-a)) * u);
+  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const at::BFloat16* gr = g + r * 2 * H;
+      at::BFloat16* orow = o + r * H;
+      for (int64_t i = 0; i < H; ++i) {
+        const float a = f32(gr[i]), u = f32(gr[H + i]);
+        const float e = exp_neg(a >= 0.0f ? -a : a);  // exp(-|a|)
+        const float sig = (a >= 0.0f ? 1.0f : e) / (1.0f + e);
+        orow[i] = at::BFloat16(a * sig * u);
+      }
     }
+  });
   return out;
 }
 
@@ -591,7 +639,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("bf16_mm", &bf16_mm);
   m.def("q4_mm", &q4_mm);
-  m.def("q4_path", []() { return q4_path(); });
+  m.def("product_path", []() { return product_path(); });
   m.def("pre_attention", &pre_attention);
   m.def("attention", &attention);
   m.def("silu_mul", &silu_mul);
