@@ -3,6 +3,7 @@ this machine, and whether each has a batch-invariant kernel here, measured on ra
 model's shapes (components/model/load.py `resolve_precision` picks by it)."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from pathlib import Path
@@ -17,7 +18,7 @@ from pipeline.core import atomic_write
 
 def _precision_key(args, device: torch.device, native: bool) -> str:
     parts = [*machine_parts(device), f"{args.n_layers}x{args.dim}x{args.hidden_dim}x{args.n_heads}x{args.n_kv_heads}",
-             str(args.vocab_size), f"native={native}", "precision-v4"]
+             str(args.vocab_size), f"native={native}", "precision-v5"]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -60,21 +61,32 @@ def _precision_cost(mode: str, args, shapes, device, sync, rows: int, ops, invar
     for k, n in [*shapes, (args.dim, args.vocab_size)]:
         w = torch.randn(k, n, device=device) * 0.02
         head = n == args.vocab_size
+        # A step reads each layer's own weights once, from memory: time every layer's copy in turn, as
+        # the step does (one matrix alone would sit in the cache, and favour the precision with more bytes).
+        copies = 1 if head else args.n_layers
         if mode == "q4" and not head:
             m = Int4(*quantize_q4(w.t().cpu()), device=device)
-            fns, native_product = {"int4": m.product}, m.use_native(ops)  # as Transformer.use_native
+            native_product = m.use_native(ops)  # as Transformer.use_native
+            if native_product:
+                ws = [(m.q4_codes.clone(), m.q4_sz.clone()) for _ in range(copies)]
+                fns = {"int4": lambda x, ws=ws: [ops.q4_mm(x, c, z) for c, z in ws]}
+            else:
+                ms_ = [m] + [copy.deepcopy(m) for _ in range(copies - 1)]  # torch's kernel: m.native is None
+                fns = {"int4": lambda x, ms_=ms_: [mi.product(x) for mi in ms_]}
             dt = torch.bfloat16
         else:
             dt = torch.bfloat16 if mode == "q4" else getattr(torch, mode)
-            wd, wt = w.to(dt), w.t().contiguous().to(dt)
+            ws = [(w.to(dt), w.t().contiguous().to(dt)) for _ in range(copies)]
             native_product = ops is not None and dt == torch.bfloat16 and n % 4 == 0  # as Dense.native_ok
             if native_product:  # the head's logits stay float32, a layer's outputs are rounded to bfloat16
-                fns = {"native": lambda x, wt=wt, head=head: ops.bf16_mm(x, wt, not head)}
+                fns = {"native": lambda x, ws=ws, head=head: [ops.bf16_mm(x, wt, not head) for _, wt in ws]}
             else:
-                fns = {kern: (lambda x, kern=kern, wd=wd, wt=wt: matmul(x, wd, wt, kern)) for kern in dense_kernels(dt)}
+                fns = {kern: (lambda x, kern=kern, ws=ws: [matmul(x, wd, wt, kern) for wd, wt in ws])
+                       for kern in dense_kernels(dt)}
         x = torch.randn(rows, k, device=device).to(dt)
         ms = min(best_time(lambda f=f: (f(x), sync()), reps=3) for f in fns.values()) * 1e3
-        total += ms if head else ms * args.n_layers
+        total += ms
         if probe and inv and not native_product:
-            inv = any(min_invariant_rows(f, k, dt, device) > 0 for f in fns.values())
+            inv = any(min_invariant_rows(lambda x, f=f: f(x)[0], k, dt, device) > 0 for f in fns.values())
     return {"ms": round(total, 3), "invariant": inv}
+
