@@ -225,7 +225,8 @@ def mean_accepted(gens) -> float:
 
 @pytest.mark.skipif(not vllm_peer.available(), reason="vLLM is not installed (.venv-vllm): make peer-vllm")
 def test_vllm_decodes_with_our_draft_losslessly_and_accepts(real_backbone, tmp_path):
-    """vLLM's greedy with our draft (3 drafted tokens, a chain) equals its greedy without, and it
+    """vLLM's greedy with our draft (3 drafted tokens, a chain) equals its greedy without, up to
+    vLLM's own batch variance (see `_same_or_bf16_tie`), and it
     accepts what ours accepts drafting a chain of 3 on the same prompts (measured: vLLM 1.60 tokens a
     step, ours 1.58; a wrongly mapped draft accepts ~nothing: 1.01 in the Llama EAGLE class)."""
     from omegaconf import OmegaConf
@@ -242,9 +243,28 @@ def test_vllm_decodes_with_our_draft_losslessly_and_accepts(real_backbone, tmp_p
             runs[name] = peer.run(ids)
         finally:
             peer.close()
-    assert [g.token_ids for g in runs["eagle"]] == [g.token_ids for g in runs["plain"]]
+    for prompt, e, g in zip(ids, runs["eagle"], runs["plain"]):
+        _same_or_bf16_tie(real_backbone, prompt, e.token_ids, g.token_ids)
     theirs = mean_accepted([(None, None, g.accepted_lengths) for g in runs["eagle"]])
     ours = mean_accepted(trees_of(shipped_draft("smollm2_135m"), real_backbone, prompts, "tree.width=1",
                                   f"tree.depth={k}", f"tree.max_nodes={k + 1}", model="model.dtype=float32", max_new_tokens=n))
     print(f"mean accepted length over {len(prompts)} bench prompts, {k} drafted: vLLM {theirs:.2f}, ours {ours:.2f}")
     assert ours > 1.2 and theirs > 1 + 0.7 * (ours - 1)  # bfloat16 and the full vocabulary move a few drafts
+
+
+def _same_or_bf16_tie(backbone, prompt: list[int], a: list[int], b: list[int]) -> None:
+    """a == b, or they part where the target's two choices are within bfloat16 rounding of each
+    other: vLLM's bfloat16 products are not batch-invariant, so verifying k + 1 rows may flip such a
+    near-tie (seen on an AMD Zen 5: float32 logits 18.11 vs 18.05, a bfloat16 ulp there is 0.125).
+    A parting anywhere else is a wrong verification, and fails."""
+    i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if i is None:
+        assert len(a) == len(b)
+        return
+    x = torch.tensor([prompt + a[:i]])
+    with torch.no_grad():
+        lg = backbone.model.logits(backbone.model(x, torch.arange(x.shape[1])[None])[0, -1])
+    assert lg.argmax().item() in (a[i], b[i]), f"at token {i}, neither {a[i]} nor {b[i]} is the target's greedy"
+    ulp = 2.0 ** (torch.floor(torch.log2(lg.max().abs())).item() - 7)  # bfloat16 spacing at the top logit
+    assert abs(lg[a[i]] - lg[b[i]]).item() < ulp, f"vLLM's runs part at token {i} on no near-tie"
+
