@@ -83,7 +83,7 @@ def main():
 
         def product(mm, x):  # the product the step takes: the native kernel where it computes this one
             if isinstance(mm, Dense) and mm.native_ok and m.native is not None:
-                return m.native.bf16_mm(x, mm.weight_t, True)
+                return m.native.bf16_mm(x, mm.packed(mm.weight_t), True)
             return mm(x)
         mats = timed(lambda: [product(blk.w2, product(blk.w13, product(blk.wo, product(blk.wqkv, x1)[:, :a.dim]))
                                       [:, :a.hidden_dim]) for blk in m.layers])

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from components.model import native
-from components.model.linear import Int4, quantize_q4
+from components.model.linear import Int4, native_bf16_layout, quantize_q4
 from components.model.llama import attention
 from components.model.load import from_pretrained
 from pipeline.bench import DEFAULT_INPUT
@@ -76,6 +76,10 @@ def test_bf16_mm(shape, rows):
     assert float((got.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
     assert torch.equal(ops.bf16_mm(x, w, True), got.bfloat16())
     assert rows_invariant(lambda t: ops.bf16_mm(t, w, False), x)
+    wp = native_bf16_layout(w)  # the layout the model's products read: the same sums, in memory order
+    assert (wp.dim() == 4) == (n % 16 == 0 and k % 32 == 0)
+    assert torch.equal(ops.bf16_mm(x, wp, False), got)
+    assert rows_invariant(lambda t: ops.bf16_mm(t, wp, True), x)
 
 
 def q4_case(k: int, n: int, seed: int = 5):
@@ -116,13 +120,14 @@ def test_q4_mm_decodes_the_weights_exactly():
 
 
 def test_q4_mm_other_path_in_a_subprocess():
-    """The path this process did not take (LLM_DECODE_AMX=0 turns AMX off; where AMX is absent the
+    """The products' path this process did not take (LLM_DECODE_AMX=0 turns AMX off; where AMX is absent the
     variable changes nothing): the same checks in a fresh process."""
     import os
     import subprocess
     import sys
     code = ("import test_native as t, torch; assert t.ops.product_path() != 'amx'; "
             "[t.test_q4_mm(s, r) for s in [(576, 960), (1536, 576)] for r in (1, 5, 33)]; "
+            "[t.test_bf16_mm(s, r) for s in [(576, 960), (1536, 576), (100, 8)] for r in (1, 5, 33)]; "
             "t.test_q4_mm_decodes_the_weights_exactly(); print(t.ops.product_path())")
     env = {**os.environ, "LLM_DECODE_AMX": "0"}
     r = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env, capture_output=True, text=True)

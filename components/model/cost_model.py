@@ -12,13 +12,13 @@ import torch
 
 from components.model import native as native_mod
 from components.model.kernels import dense_kernels, matmul
-from components.model.linear import Int4, quantize_q4
+from components.model.linear import Int4, native_bf16_layout, quantize_q4
 from components.model.tuner import best_time, machine_parts, min_invariant_rows
 from pipeline.core import atomic_write
 
 def _precision_key(args, device: torch.device, native: bool) -> str:
     parts = [*machine_parts(device), f"{args.n_layers}x{args.dim}x{args.hidden_dim}x{args.n_heads}x{args.n_kv_heads}",
-             str(args.vocab_size), f"native={native}", "precision-v5"]
+             str(args.vocab_size), f"native={native}", "precision-v6"]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -78,8 +78,9 @@ def _precision_cost(mode: str, args, shapes, device, sync, rows: int, ops, invar
             dt = torch.bfloat16 if mode == "q4" else getattr(torch, mode)
             ws = [(w.to(dt), w.t().contiguous().to(dt)) for _ in range(copies)]
             native_product = ops is not None and dt == torch.bfloat16 and n % 4 == 0  # as Dense.native_ok
-            if native_product:  # the head's logits stay float32, a layer's outputs are rounded to bfloat16
-                fns = {"native": lambda x, ws=ws, head=head: [ops.bf16_mm(x, wt, not head) for _, wt in ws]}
+            if native_product:  # in the layout it reads; the head's logits stay float32, a layer's outputs are rounded to bfloat16
+                wps = [native_bf16_layout(wt) for _, wt in ws]
+                fns = {"native": lambda x, wps=wps, head=head: [ops.bf16_mm(x, wp, not head) for wp in wps]}
             else:
                 fns = {kern: (lambda x, kern=kern, ws=ws: [matmul(x, wd, wt, kern) for wd, wt in ws])
                        for kern in dense_kernels(dt)}

@@ -9,7 +9,8 @@ that a tree's rows equal the plain steps they replace. Each module's `min_rows` 
 machine, components/model/tuner.py) pads its input with zero rows to the row count from which
 its kernel is invariant: 1 for torch's int4 kernel everywhere seen, 2 for oneDNN's bfloat16 product
 on AVX-512 (its one-row gemv differs for a long inner dimension), 32 for it on AMX. The native
-products (csrc/decode_ops.cpp `bf16_mm`, `q4_mm`) are invariant by construction.
+products (csrc/decode_ops.cpp `bf16_mm`, `q4_mm`) are invariant by construction; they read bfloat16
+matrices in a packed layout (`native_bf16_layout`), made from the [out, in] copy on first use.
 """
 from __future__ import annotations
 
@@ -21,12 +22,43 @@ from components.model.kernels import at_least, matmul
 GROUP = 32
 
 
+def native_bf16_layout(wt: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 [out, in] matrix -> the native product's packed layout (csrc/decode_ops.cpp
+    `bf16_mm`): (out / 16, in / 32, 16, 32), block b's chunk g holding its 16 outputs' inputs
+    32 g .. 32 g + 31, so the product reads it in memory order (and AMX loads each chunk as one
+    tile). A shape that does not divide into blocks is returned as it is ([out, in] is the other
+    layout `bf16_mm` takes)."""
+    n, k = wt.shape
+    if n % 16 or k % 32:
+        return wt
+    return wt.reshape(n // 16, 16, k // 32, 32).transpose(1, 2).contiguous()
+
+
+class Packed:
+    """The packed copy of a matrix for the native product, made on first use and again whenever the
+    matrix is replaced or changed in place."""
+
+    def __init__(self):
+        self.key, self.value = None, None
+
+    def __call__(self, wt: torch.Tensor) -> torch.Tensor:
+        try:
+            version = wt._version
+        except RuntimeError:  # an inference tensor: no version counter
+            version = None
+        key = (wt.data_ptr(), tuple(wt.shape), version)
+        if key != self.key:
+            self.value, self.key = native_bf16_layout(wt), key
+        return self.value
+
+
 class Dense(nn.Module):
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(in_features, out_features))  # [in, out]
         self.weight_t: torch.Tensor | None = None
+        self.packed = Packed()  # the native product's layout of weight_t
         self.min_rows = 1  # set by Transformer.optimize_for_decoding from the machine's probe
 
     def make_transposed(self) -> None:
@@ -38,10 +70,11 @@ class Dense(nn.Module):
 
     def spec(self, kernel: str) -> tuple[list[torch.Tensor], list[int]]:
         """This product for the native kernels (csrc/decode_ops.cpp `Product`): tensors, (kind, group,
-        min_rows). bfloat16 with its [out, in] copy: the native product (`bf16_mm`, invariant at any
-        row count by construction); otherwise the torch kernel `forward` takes for this kernel name."""
+        min_rows). bfloat16 with its [out, in] copy: the native product (`bf16_mm` on the packed copy,
+        invariant at any row count by construction); otherwise the torch kernel `forward` takes for
+        this kernel name."""
         if self.native_ok:
-            return [self.weight_t], [5, 0, 1]
+            return [self.packed(self.weight_t)], [5, 0, 1]
         if kernel == "linear" and self.weight_t is not None:
             return [self.weight_t], [1, 0, self.min_rows]
         return [self.weight], [0, 0, self.min_rows]

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from components.model import native
 from components.model.kernels import KERNELS, PRODUCTS, KernelPlan, matmul
-from components.model.linear import Dense, Int4, Int8Rows
+from components.model.linear import Dense, Int4, Int8Rows, Packed
 from components.model.tuner import plan_for
 from pipeline.core import StepBatch
 
@@ -236,6 +236,7 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(args).float(), persistent=False)
         self.head_q8: nn.Module | None = None  # q4 mode: the LM head in 8 bits where measured faster
         self.native = None  # the fused kernels' module (`use_native`), None: the pure-torch path
+        self.head_packed = Packed()  # the native product's layout of `head_t`
         self.taps: tuple[int, ...] = ()  # layers whose input states a full forward keeps (`tap`)
         self.tapped: torch.Tensor | None = None  # (..., len(taps) dim): those states, of the last full forward
 
@@ -393,7 +394,7 @@ class Transformer(nn.Module):
             return self.head_q8(hidden).float()
         if self.native_head(rows):  # float32 logits, never rounded
             h = hidden.reshape(-1, hidden.shape[-1])
-            return self.native.bf16_mm(h if h.dtype == torch.bfloat16 else h.bfloat16(), wt, False).view(
+            return self.native.bf16_mm(h if h.dtype == torch.bfloat16 else h.bfloat16(), self.head_packed(wt), False).view(
                 *hidden.shape[:-1], wt.shape[0])
         return matmul(hidden, self.lm_head, wt, "xw" if kernel == "int8" else kernel, plan.min_rows["head"]).float()
 

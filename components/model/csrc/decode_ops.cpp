@@ -29,23 +29,30 @@ constexpr int LANES = 16;  // partial sums per reduction: vectorizes on AVX2 and
 template <typename T> inline float f32(T v) { return static_cast<float>(v); }
 
 // y = x W^T for bfloat16 x (M, K) and W (N, K) (the LM head as the embedding stores it, or a
-// matrix's [out, in] copy): each output a dot product along K, for a block of NB outputs and RB
-// rows at a time, so each loaded weight serves RB rows from registers. With avx512_bf16 the dot
-// products are `vdpbf16ps` (32 products an instruction, exact in float32, summed in float32 lanes),
-// else float32 FMAs in LANES partial sums. Either way a row's sums run in an order fixed by K
-// alone: its bits never depend on the other rows. Returns float32 or bfloat16 (`out_bf16`).
+// matrix's [out, in] copy), or W in the packed layout (below): each output a dot product along K, for
+// a block of NB outputs and RB rows at a time, so each loaded weight serves RB rows from registers.
+// With avx512_bf16 the dot products are `vdpbf16ps` (32 products an instruction, exact in float32,
+// summed in float32 lanes), else float32 FMAs in LANES partial sums. Either way a row's sums run in
+// an order fixed by K alone, the same in either layout: its bits never depend on the other rows.
+// `wat(n, k)`: where output n's weights for inputs k .. k + 31 lie (k a multiple of 32, or the tail);
+// `pf`: a block to prefetch, 16 lines each 32 inputs (the next packed block), or null.
 constexpr int64_t NB = 4, RB = 4;
 
+inline void prefetch_chunk(const at::BFloat16* pf, int64_t k) {
+  for (int l = 0; l < 16; ++l) _mm_prefetch(reinterpret_cast<const char*>(pf + (k / 32) * 512 + l * 32), _MM_HINT_T0);
+}
+
 #if defined(__AVX512BF16__)
-template <int R>
-inline void dot_block(const at::BFloat16* x, int64_t K, const at::BFloat16* w, float* y, int64_t N) {
+template <int R, typename WAt>
+inline void dot_block(const at::BFloat16* x, int64_t K, WAt wat, float* y, int64_t N, const at::BFloat16* pf) {
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < NB; ++n) acc[r][n] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
+    if (pf) prefetch_chunk(pf, k);
     __m512bh wv[NB];
-    for (int n = 0; n < NB; ++n) wv[n] = (__m512bh)_mm512_loadu_si512(w + n * K + k);
+    for (int n = 0; n < NB; ++n) wv[n] = (__m512bh)_mm512_loadu_si512(wat(n, k));
     for (int r = 0; r < R; ++r) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * K + k);
       for (int n = 0; n < NB; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], xv, wv[n]);
@@ -54,26 +61,59 @@ inline void dot_block(const at::BFloat16* x, int64_t K, const at::BFloat16* w, f
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < NB; ++n) {
       float t = _mm512_reduce_add_ps(acc[r][n]);
-      for (int64_t kk = k; kk < K; ++kk) t += f32(x[r * K + kk]) * f32(w[n * K + kk]);
+      for (int64_t kk = k; kk < K; ++kk) t += f32(x[r * K + kk]) * f32(wat(n, kk)[0]);
       y[r * N + n] = t;
     }
 }
+
+// One row against a whole packed block of 16 outputs, read in memory order (the block streams in;
+// rows after it find it in cache): the same sums as `dot_block`.
+inline void dot_row16(const at::BFloat16* x, int64_t K, const at::BFloat16* wb, float* y) {
+  __m512 acc[16];
+  for (int n = 0; n < 16; ++n) acc[n] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < K / 32; ++g) {
+    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + g * 32);
+    for (int n = 0; n < 16; ++n) acc[n] = _mm512_dpbf16_ps(acc[n], xv, (__m512bh)_mm512_loadu_si512(wb + g * 512 + n * 32));
+  }
+  for (int n = 0; n < 16; ++n) y[n] = _mm512_reduce_add_ps(acc[n]);
+}
+constexpr bool ROW16 = true;
 #else
-template <int R>
-inline void dot_block(const at::BFloat16* x, int64_t K, const at::BFloat16* w, float* y, int64_t N) {
+template <int R, typename WAt>
+inline void dot_block(const at::BFloat16* x, int64_t K, WAt wat, float* y, int64_t N, const at::BFloat16* pf) {
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < NB; ++n) {
       float acc[LANES] = {0};
       int64_t k = 0;
-      for (; k + LANES <= K; k += LANES)
-        for (int l = 0; l < LANES; ++l) acc[l] += f32(x[r * K + k + l]) * f32(w[n * K + k + l]);
-      for (int l = 0; k < K; ++k, ++l) acc[l] += f32(x[r * K + k]) * f32(w[n * K + k]);
+      for (; k + LANES <= K; k += LANES) {
+        if (pf && r == 0 && n == 0 && k % 32 == 0) prefetch_chunk(pf, k);
+        const at::BFloat16* wk = wat(n, k);
+        for (int l = 0; l < LANES; ++l) acc[l] += f32(x[r * K + k + l]) * f32(wk[l]);
+      }
+      for (int l = 0; k < K; ++k, ++l) acc[l] += f32(x[r * K + k]) * f32(wat(n, k)[0]);
       for (int w2 = LANES / 2; w2 > 0; w2 /= 2)
         for (int l = 0; l < w2; ++l) acc[l] += acc[l + w2];
       y[r * N + n] = acc[0];
     }
 }
+inline void dot_row16(const at::BFloat16*, int64_t, const at::BFloat16*, float*) {}
+constexpr bool ROW16 = false;
 #endif
+
+template <typename WAt>
+inline void dot_rows(const at::BFloat16* x, int64_t M, int64_t r0, int64_t K, WAt wat, float* y, int64_t N,
+                     const at::BFloat16* pf) {  // rows r0 .. M - 1 of NB outputs, RB rows at a time
+  for (; r0 < M; r0 += RB, pf = nullptr) {
+    const at::BFloat16* xr = x + r0 * K;
+    float* yr = y + r0 * N;
+    switch (std::min(RB, M - r0)) {
+      case 1: dot_block<1>(xr, K, wat, yr, N, pf); break;
+      case 2: dot_block<2>(xr, K, wat, yr, N, pf); break;
+      case 3: dot_block<3>(xr, K, wat, yr, N, pf); break;
+      default: dot_block<4>(xr, K, wat, yr, N, pf); break;
+    }
+  }
+}
 
 torch::Tensor bf16_mm_dot(torch::Tensor x, torch::Tensor w, bool out_bf16) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -84,16 +124,31 @@ torch::Tensor bf16_mm_dot(torch::Tensor x, torch::Tensor w, bool out_bf16) {
   at::parallel_for(0, N / NB, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const at::BFloat16* wb = wp + b * NB * K;
-      for (int64_t r0 = 0; r0 < M; r0 += RB) {
-        const at::BFloat16* xr = xp + r0 * K;
-        float* yr = yp + r0 * N + b * NB;
-        switch (std::min(RB, M - r0)) {
-          case 1: dot_block<1>(xr, K, wb, yr, N); break;
-          case 2: dot_block<2>(xr, K, wb, yr, N); break;
-          case 3: dot_block<3>(xr, K, wb, yr, N); break;
-          default: dot_block<4>(xr, K, wb, yr, N); break;
-        }
-      }
+      dot_rows(xp, M, 0, K, [wb, K](int64_t n, int64_t k) { return wb + n * K + k; }, yp + b * NB, N, nullptr);
+    }
+  });
+  return out_bf16 ? yf.to(torch::kBFloat16) : yf;
+}
+
+// The packed bfloat16 layout (components/model/linear.py `native_bf16_layout`): W (N, K) as
+// (N / 16, K / 32, 16, 32), block b's chunk g holding its 16 outputs' inputs 32 g .. 32 g + 31, so
+// that a block lies in the order a product reads it: from memory at copy bandwidth (the (N, K)
+// layout reads 16 rows K apart at once, at about half of it), and as AMX's 16 x 32 tiles.
+torch::Tensor bf16_mm_dot_packed(torch::Tensor x, torch::Tensor w, bool out_bf16) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 16;
+  auto yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  const auto* xp = x.data_ptr<at::BFloat16>();
+  const auto* wp = w.data_ptr<at::BFloat16>();
+  float* yp = yf.data_ptr<float>();
+  at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const at::BFloat16* wb = wp + b * 16 * K;
+      const at::BFloat16* next = b + 1 < b1 ? wb + 16 * K : nullptr;  // fetched while rows after the first compute
+      int64_t r0 = 0;
+      if (ROW16) dot_row16(xp, K, wb, yp + b * 16), r0 = 1;
+      for (int64_t j = 0; j < 16; j += NB)
+        dot_rows(xp, M, r0, K, [wb, j](int64_t n, int64_t k) { return wb + (k / 32) * 512 + (j + n) * 32 + k % 32; },
+                 yp + b * 16 + j, N, j == 0 ? next : nullptr);
     }
   });
   return out_bf16 ? yf.to(torch::kBFloat16) : yf;
@@ -303,9 +358,13 @@ torch::Tensor q4_mm_amx(torch::Tensor x, torch::Tensor codes, torch::Tensor sz, 
   });
 }
 
-torch::Tensor bf16_mm_amx(torch::Tensor x, torch::Tensor w, bool out_bf16) {
+torch::Tensor bf16_mm_amx(torch::Tensor x, torch::Tensor w, bool out_bf16) {  // W (N, K) or packed
   const int64_t K = x.size(1);
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  if (w.dim() == 4)  // a chunk's tile lies whole: 16 rows of 64 bytes
+    return amx_mm(x, w.size(0) * QB, out_bf16, [&](int64_t b) {
+      return [wb = wp + b * QB * K](int64_t g) { _tile_loadd(0, wb + g * QB * QG, QG * 2); };
+    });
   return amx_mm(x, w.size(0), out_bf16, [&](int64_t b) {
     return [wb = wp + b * QB * K, K](int64_t g) { _tile_loadd(0, wb + g * QG, K * 2); };
   });
@@ -330,17 +389,10 @@ torch::Tensor q4_mm_dot(torch::Tensor x, torch::Tensor codes, torch::Tensor sz, 
       for (int64_t g = 0; g < groups; ++g)
         decode_chunk(cp + (b * groups + g) * 256, sp + (b * groups + g) * 32, w.data() + g * QG, K);
       const auto* wb = reinterpret_cast<const at::BFloat16*>(w.data());
-      for (int64_t j = 0; j < QB; j += NB)
-        for (int64_t r0 = 0; r0 < M; r0 += RB) {
-          const at::BFloat16* xr = xp + r0 * K;
-          float* yr = yp + r0 * N + b * QB + j;
-          switch (std::min(RB, M - r0)) {
-            case 1: dot_block<1>(xr, K, wb + j * K, yr, N); break;
-            case 2: dot_block<2>(xr, K, wb + j * K, yr, N); break;
-            case 3: dot_block<3>(xr, K, wb + j * K, yr, N); break;
-            default: dot_block<4>(xr, K, wb + j * K, yr, N); break;
-          }
-        }
+      for (int64_t j = 0; j < QB; j += NB) {
+        const at::BFloat16* wj = wb + j * K;
+        dot_rows(xp, M, 0, K, [wj, K](int64_t n, int64_t k) { return wj + n * K + k; }, yp + b * QB + j, N, nullptr);
+      }
     }
   });
   return yf.to(torch::kBFloat16);
@@ -363,15 +415,21 @@ const std::string& product_path() {
   return path;
 }
 
-// y = x W^T for bfloat16 x (M, K) and W (N, K): through AMX where this process uses it and the shape
-// fits its tiles (K % 32 == 0, N % 16 == 0; a matrix's shape, so every row count of it takes the
-// same path), else `bf16_mm_dot`. float32 out, or bfloat16 with `out_bf16`.
+// y = x W^T for bfloat16 x (M, K) and W (N, K) or packed (N / 16, K / 32, 16, 32): through AMX where
+// this process uses it and the shape fits its tiles (K % 32 == 0, N % 16 == 0, always so when packed;
+// a matrix's shape, so every row count of it takes the same path), else `bf16_mm_dot(_packed)`.
+// float32 out, or bfloat16 with `out_bf16`.
 torch::Tensor bf16_mm(torch::Tensor x, torch::Tensor w, bool out_bf16) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16, "bf16_mm: bfloat16 inputs");
   x = x.contiguous();
-  TORCH_CHECK(w.is_contiguous(), "bf16_mm: W must be contiguous (N, K)");
-  const int64_t K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && N % NB == 0, "bf16_mm: bad shapes");
+  TORCH_CHECK(w.is_contiguous(), "bf16_mm: W must be contiguous, (N, K) or packed (N / 16, K / 32, 16, 32)");
+  const int64_t K = x.size(1);
+  if (w.dim() == 4) {
+    TORCH_CHECK(w.size(1) * QG == K && w.size(2) == QB && w.size(3) == QG, "bf16_mm: packed W must be (N / 16, K / 32, 16, 32)");
+    return product_path() == "amx" ? bf16_mm_amx(x, w, out_bf16) : bf16_mm_dot_packed(x, w, out_bf16);
+  }
+  const int64_t N = w.size(0);
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == K && N % NB == 0, "bf16_mm: bad shapes");
   if (product_path() == "amx" && K % QG == 0 && N % QB == 0) return bf16_mm_amx(x, w, out_bf16);
   return bf16_mm_dot(x, w, out_bf16);
 }
@@ -392,7 +450,7 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor sz) {
 
 // A product y = x W as the plan computes it: kind 0 `x @ W` on [in, out], 1 `linear` on [out, in],
 // 2 torch's int4 kernel (a = packed, b = scales and zeros), 3 torch's int8 kernel (a = codes, b = row
-// scales), 5 the native bfloat16 product (`bf16_mm`, a = W [out, in]); x padded with zero rows to
+// scales), 5 the native bfloat16 product (`bf16_mm`, a = W [out, in] or packed); x padded with zero rows to
 // `min_rows` first; 6 the native 4-bit product (`q4_mm`, a = codes, b = scales and zeros).
 struct Product {
   int64_t kind;
