@@ -221,3 +221,23 @@ def test_wandb_logs_a_sweep_summary_offline(tmp_path, compose_cfg):
     run = next((tmp_path / "wandb").glob("offline-run-*"))
     media = {p.parent.name for p in (run / "files" / "media").rglob("*") if p.is_file()}
     assert {"sweep"} <= media
+
+
+def test_step_threads_keep_the_faster_count_per_group_and_retry_the_other():
+    """The server's measured thread count (pipeline.threads.StepThreads): each group of step sizes
+    probes both counts, then runs the faster, and tries the slower one again every `every` steps, so
+    a change in the load around it is seen."""
+    from pipeline.threads import StepThreads
+    st = StepThreads(2, probe=2, every=10)
+    cost = {(1, 2): 0.017, (1, 1): 0.013, (16, 2): 0.050, (16, 1): 0.070}  # one stream: 1 thread faster
+    picks = {1: [], 16: []}
+    for _ in range(40):
+        for live in (1, 16):
+            n = st.choose(live)
+            picks[live].append(n)
+            st.record(live, n, cost[(live, n)])
+    assert picks[1][:4] == [2, 2, 1, 1] and picks[16][:4] == [2, 2, 1, 1]  # both probed
+    assert picks[1][4:].count(1) > 25 and picks[16][4:].count(2) > 25  # the faster kept
+    assert picks[1][4:].count(2) >= 4 and picks[16][4:].count(1) >= 4  # the slower retried
+    assert st.describe()["1+"]["1"] == pytest.approx(13.0) and set(st.describe()) == {"1+", "16+"}
+    assert StepThreads(1).choose(5) == 1 and StepThreads(1).options == [1]

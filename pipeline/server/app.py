@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,6 +32,7 @@ from pipeline.server.page import add_page
 from pipeline.server.openai_api import (FINISH, Answer, APIError, Spec, chunk, completion, logprobs_object, read_body,
                                         read_spec, response_id, sse, usage)
 from pipeline.streaming import TextStream
+from pipeline.threads import StepThreads
 
 KV_STATS = ("sequences", "tokens", "bytes_in_use", "blocks_in_use")  # of kv.stats(), where the manager has them
 
@@ -121,6 +123,18 @@ def speculation(records: list[tuple[list[int], list[int] | None]]) -> dict:
             if whole else None}
 
 
+def step_threads(cfg: DictConfig, backbone) -> StepThreads | None:
+    """The measured thread count per step (`step_threads: measure`), where a row's bits do not depend
+    on it: every product and the glue on the native kernels, in bfloat16 or q4."""
+    mode = cfg.get("step_threads", "measure")
+    if mode not in ("measure", "fixed"):
+        raise UserError(f"step_threads must be measure or fixed, got {mode!r}")
+    m = backbone.model
+    if mode == "fixed" or m.native is None or m.precision == "float32" or m.torch_products():
+        return None
+    return StepThreads(torch.get_num_threads())
+
+
 class Service:
     """One runner served: what the routes share. `models`: the served names, each with the draft
     it routes to (`<name>:<draft>`; the bare name: the preset's own pipeline)."""
@@ -129,7 +143,7 @@ class Service:
         self.cfg, self.model, self.tokenizer = cfg, model, backbone.tokenizer
         self.models = {model: None, **{f"{model}:{d}": d for d in getattr(runner, "drafts", {})}}
         self.metrics = Metrics()
-        self.engine = EngineLoop(runner, max_queue, self.metrics)
+        self.engine = EngineLoop(runner, max_queue, self.metrics, step_threads(cfg, backbone))
         self.admitter = Admitter(cfg, backbone)
         self.created = int(time.time())
 

@@ -60,10 +60,11 @@ class Step:
 class EngineLoop:
     """Runs `runner` on a thread; admission bounded at `max_queue` requests waiting for a slot."""
 
-    def __init__(self, runner: Runner, max_queue: int, metrics=None):
+    def __init__(self, runner: Runner, max_queue: int, metrics=None, threads=None):
         if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 0:
             raise UserError(f"max_queue must be an int >= 0, got {max_queue!r}")
         self.runner, self.max_queue, self.metrics = runner, max_queue, metrics
+        self.threads = threads  # pipeline.threads.StepThreads: each step's torch threads, measured; None: as set
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.jobs: dict[int, Job] = {}  # handle -> job, for every job the runner holds (engine thread only)
         self.pending: list[Job] = []  # added, not yet joined, in the runner's queue order (engine thread only)
@@ -150,14 +151,24 @@ class EngineLoop:
         self._publish()
 
     def _step(self) -> None:
+        live, n = self.runner.live, None
+        if self.threads is not None:  # a step that prefills joining prompts takes every thread, unmeasured
+            joining = self.runner.queued > 0 and live < self.runner.batch_size
+            n = None if joining else self.threads.choose(live)
+            want = self.threads.options[0] if n is None else n
+            if torch.get_num_threads() != want:
+                torch.set_num_threads(want)
         t0 = time.perf_counter()
         try:
             finished = self.runner.step()
         except Exception as e:  # noqa: BLE001 - any failure fails this step's requests, never the server
             self._fail(e)
             return
+        seconds = time.perf_counter() - t0
+        if n is not None:
+            self.threads.record(live, n, seconds)
         if self.metrics is not None:
-            self.metrics.step_seconds.observe(time.perf_counter() - t0)
+            self.metrics.step_seconds.observe(seconds)
         for handle, gen in finished:
             self._drop(self.jobs[handle], ("done", gen))
         self._publish()
