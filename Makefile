@@ -15,6 +15,9 @@ PIP := $(PY) -m pip
 
 setup: .venv/.installed browser
 	$(PY) -c "import sys, components.model.native as n; sys.exit(n.main())"  # the fused C++ kernels for this CPU (~1 min once); a failed build says so and falls back
+	@if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then \
+	  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+	  $(PY) -c "import sys, components.model.native as n; sys.exit(n.main())"; fi  # and an AVX2-only CPU's, which the stand-in variables select (tests/test_native.py)
 
 # The page test (tests/test_page.py) drives Debian's Chromium; without it (no root apt-get) the test skips, saying how.
 browser:

@@ -134,6 +134,29 @@ def test_q4_mm_other_path_in_a_subprocess():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def test_avx2_build_in_a_subprocess():
+    """The kernels an AVX2-only CPU (Zen 3) gets, built and checked on this one: under the stand-in
+    variables (docs/precision.md) the extension is compiled for x86-64-v3 into its own folder and
+    takes the float32 path; the kernel checks hold there too. `make setup` builds it where the CPU
+    has AVX-512, so this test finds it; it builds it itself (about a minute) otherwise."""
+    import os
+    import subprocess
+    import sys
+    if ops.product_path() == "float32":
+        pytest.skip("this process already runs the AVX2 kernels")
+    code = ("import components.model.native as n; assert n.load(build_if_missing=True), n.why(); "
+            "assert '-march=x86-64-v3' in n.isa_flags(); "
+            "import test_native as t; assert t.ops.product_path() == 'float32', t.ops.product_path(); "
+            "[t.test_q4_mm(s, r) for s in [(576, 960), (1536, 576)] for r in (1, 5, 33)]; "
+            "[t.test_bf16_mm(s, r) for s in [(576, 960), (1536, 576), (100, 8)] for r in (1, 5, 33)]; "
+            "[t.test_pre_attention(p, r) for p in ('bfloat16', 'q4') for r in (1, 5, 33)]; "
+            "t.test_q4_mm_decodes_the_weights_exactly(); print(n.library())")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() != str(native.library())  # its own build, never this CPU's
+
+
 def torch_pre_attention(x, w, wqkv, cos, sin, nh, nkv, hs):
     """The pure-torch order: RMSNorm, the product, RoPE in float32 rounded once."""
     qkv = wqkv(F.rms_norm(x, x.shape[-1:], w, eps=1e-5)).float()
@@ -272,3 +295,15 @@ def test_tiny_native_model_batches_and_trees_equal_batch_one(dtype):
     assert run("greedy", 3) == ref
     assert run("tree_ngram", 3, "proposer.min_ngram=1") == ref
     assert run("self_spec", 2) == ref
+
+
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="the stand-in variables are x86's")
+def test_isa_flags_follow_the_stand_in_variables():
+    """Each CPU kind the stand-in variables name gets a build without the instruction sets it lacks."""
+    assert native.isa_flags({}) == ["-march=native"]
+    assert native.isa_flags({"ATEN_CPU_CAPABILITY": "avx2"})[0] == "-march=x86-64-v3"
+    assert native.isa_flags({"ONEDNN_MAX_CPU_ISA": "avx2_vnni"})[0] == "-march=x86-64-v3"
+    assert native.isa_flags({"ATEN_CPU_CAPABILITY": "default"})[0] == "-march=x86-64-v2"
+    bf16 = native.isa_flags({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"})
+    assert "-mno-amx-tile" in bf16 and "-mno-avx512bf16" not in bf16
+    assert "-mno-avx512bf16" in native.isa_flags({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"})

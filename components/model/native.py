@@ -2,9 +2,11 @@
 
     python -m components.model.native        # what `make setup` runs: build, or say in one line why not
 
-The extension is compiled for this CPU (`-march=native`) into `build/native/<key>/`, where the key
-digests the source, torch's version and the CPU's model and flags: a clone moved to another machine
-builds again, never loads code for another CPU. `load()` returns the module, or None where it is not
+The extension is compiled for this CPU (`-march=native`, or a smaller CPU kind's instruction sets
+where `ATEN_CPU_CAPABILITY` / `ONEDNN_MAX_CPU_ISA` ask for one: `isa_flags`) into
+`build/native/<key>/`, where the key digests the source, torch's version, the CPU's model and flags
+and the build's flags: a clone moved to another machine builds again, never loads code for another
+CPU, and each stand-in has its own build. `load()` returns the module, or None where it is not
 built and cannot be (no compiler, a failed build): the model then runs its pure-torch path, which
 is also the reference the kernels are tested against (tests/test_native.py). LLM_DECODE_NATIVE=0
 turns the kernels off, as `model.native=false` does.
@@ -26,7 +28,30 @@ import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_ops.cpp"
 BUILD_ROOT = Path(__file__).resolve().parents[2] / "build" / "native"
-FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c++17", "-fopenmp", "-DNDEBUG"]
+FLAGS = ["-O3", "-fPIC", "-shared", "-std=c++17", "-fopenmp", "-DNDEBUG"]
+# The instruction sets the build may use, narrowed by the variables that make torch, oneDNN and MKL
+# take the paths of a smaller CPU (docs/precision.md), so that one machine builds and tests the
+# kernels of each CPU kind: `ATEN_CPU_CAPABILITY=avx2` (or `ONEDNN_MAX_CPU_ISA=AVX2`) = an AVX2-only
+# CPU (x86-64-v3: AVX2 and FMA, no AVX-512), `default` = no AVX; `ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`
+# = AVX-512 with avx512_bf16 and no AMX, `AVX512_CORE` = AVX-512 without either.
+NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
+
+
+def isa_flags(env=os.environ) -> list[str]:
+    """-march (and -mno-...) for this build: the CPU's own, or less where the environment asks."""
+    aten = env.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    onednn = env.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ["-march=native"]
+    if aten == "default" or onednn in ("SSE41", "AVX"):
+        return ["-march=x86-64-v2", "-mtune=native"]
+    if aten == "avx2" or onednn.startswith("AVX2"):
+        return ["-march=x86-64-v3", "-mtune=native"]
+    if onednn in ("AVX512_CORE", "AVX512_CORE_VNNI"):
+        return ["-march=native", "-mno-avx512bf16", "-mno-avx512fp16", *NO_AMX]
+    if onednn == "AVX512_CORE_BF16":
+        return ["-march=native", "-mno-avx512fp16", *NO_AMX]
+    return ["-march=native"]
 
 _module = None
 _tried = False
@@ -53,7 +78,7 @@ def key() -> str:
     """Digest of what the library depends on: the source, torch, the CPU (its model and flags; where
     /proc/cpuinfo is hidden, what platform and torch report) and the compiler."""
     cpu = _cpu() or f"{platform.processor()}|{platform.machine()}|{torch.backends.cpu.get_cpu_capability()}"
-    parts = [SOURCE.read_text(), torch.__version__, cpu, " ".join(FLAGS), sys.version, _compiler()]
+    parts = [SOURCE.read_text(), torch.__version__, cpu, " ".join(FLAGS + isa_flags()), sys.version, _compiler()]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -73,7 +98,7 @@ def build() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     name = out.name.split(".")[0]
     tmp = out.with_suffix(f".tmp{os.getpid()}")
-    cmd = [cxx, *FLAGS, str(SOURCE), "-o", str(tmp), f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+    cmd = [cxx, *FLAGS, *isa_flags(), str(SOURCE), "-o", str(tmp), f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
            *(f"-I{p}" for p in include_paths()), f"-I{sysconfig.get_paths()['include']}",
            *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
@@ -128,7 +153,7 @@ def main() -> int:
     if mod is None:
         print(f"native kernels not built ({why()}): decoding uses the pure-torch path", file=sys.stderr)
         return 0  # a fallback, not a failure: make setup goes on
-    print(f"native kernels built for this CPU: {library()}", file=sys.stderr)
+    print(f"native kernels built for this CPU ({' '.join(isa_flags())}): {library()}", file=sys.stderr)
     return 0
 
 
