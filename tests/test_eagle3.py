@@ -111,12 +111,25 @@ def test_fused_draft_trains_on_tokens_and_saves_its_layers(fused, tiny_backbone)
     draft = objs["heads"]
     assert draft.fused and draft.fuse_layers == (0, 1, 2) and draft.fuse.weight.shape == (64, 192)
     assert objs["module"].feature_weight == 0.0  # EAGLE-3: no feature regression unless asked
+    # it trained on [the fused layers' states | the last]: data.fuse_layers follows heads.fuse_layers
+    assert objs["data"].train_set.hidden.shape[-1] == 4 * tiny_backbone.model.args.dim
     assert_saved_state(path, draft, EAGLE.frozen, torch.bfloat16)
     loaded = EagleDraft.load(path, tiny_backbone)
     assert loaded.info["fuse_layers"] == [0, 1, 2] and loaded.fuse_layers == (0, 1, 2)
     assert metrics["steps"] == 8 and 1.0 <= metrics["val/chain"] <= 6.0
     with pytest.raises(UserError, match="fuse_layers"):  # going on training it needs its own layers
         build_eagle(tiny_backbone, None, init=str(path), fuse_layers=None)
+
+
+def test_a_fused_draft_refuses_data_without_its_layers(fused, untapped):
+    """A fused draft handed the last states alone would read them as predicted features and never
+    train its fusion: refused, naming the key."""
+    from pipeline.train import train
+    _, _, _, data = fused
+    cfg = compose_config([*TRAIN, "data.fuse_layers=null", "trainer.max_steps=1", f"data.root={data}"],
+                         config_name="train", output_dir=data.parent / "unfused_data")
+    with pytest.raises(ValueError, match="data.fuse_layers"):
+        train(cfg)
 
 
 def test_fused_cached_step_equals_the_training_forward(fused, tiny_backbone):

@@ -151,6 +151,9 @@ class EagleModule(HeadModule):
 
     def loss(self, batch, split: str) -> torch.Tensor:
         hidden, tokens = batch[0], batch[1]
+        if self.heads.fused and hidden.shape[-1] == self.heads.dim:  # else it would read them as predicted features
+            raise ValueError(f"a fused draft (layers {list(self.heads.fuse_layers)}) needs data with those layers' states: "
+                             f"set data.fuse_layers to heads.fuse_layers (the default), not null")
         hidden = hidden.float()
         f_in, y_in = hidden[:, :-1], tokens[:, :-1].clamp(min=0)  # (f_t, y_{t+1})
         f_next, y_next = hidden[:, 1:, -self.heads.dim:], tokens[:, 1:]  # f_{t+1} (the last state) and y_{t+2}, -100 past the end
