@@ -43,8 +43,8 @@ inline void prefetch_chunk(const at::BFloat16* pf, int64_t k) {
 }
 
 #if defined(__AVX512BF16__)
-template <int R, typename WAt>
-inline void dot_block(const at::BFloat16* x, int64_t K, WAt wat, float* y, int64_t N, const at::BFloat16* pf) {
+template <int R, typename XT, typename WAt>
+inline void dot_block(const XT* x, int64_t K, WAt wat, float* y, int64_t N, const at::BFloat16* pf) {
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < NB; ++n) acc[r][n] = _mm512_setzero_ps();
@@ -79,32 +79,90 @@ inline void dot_row16(const at::BFloat16* x, int64_t K, const at::BFloat16* wb, 
 }
 constexpr bool ROW16 = true;
 #else
-template <int R, typename WAt>
-inline void dot_block(const at::BFloat16* x, int64_t K, WAt wat, float* y, int64_t N, const at::BFloat16* pf) {
+// Without avx512_bf16 the rows come as float32 (`x_operand`: converted once a product, exactly) and
+// the weights as bfloat16 or, for the 4-bit product on AVX2, decoded float32; each output's 16 lanes
+// sum the inputs k = l (mod 16) in K order by FMA, the tail goes into lanes 0.., then the lanes
+// reduce pairwise (l += l + 8, + 4, + 2, + 1): the same order on AVX2 and in the scalar loop.
+inline float reduce16(float* acc) {
+  for (int w2 = LANES / 2; w2 > 0; w2 /= 2)
+    for (int l = 0; l < w2; ++l) acc[l] += acc[l + w2];
+  return acc[0];
+}
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {  // 8 bfloat16 -> float32, exactly
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+template <int R, typename XT, typename WAt>
+inline void dot_block(const XT* x, int64_t K, WAt wat, float* y, int64_t N, const at::BFloat16* pf) {
+  constexpr int O = R == 1 ? 4 : R == 2 ? 2 : 1;  // outputs at once: 8 independent FMA chains (their latency)
+  for (int n0 = 0; n0 < NB; n0 += O) {
+    __m256 a[R][O][2];
+    for (int r = 0; r < R; ++r)
+      for (int o = 0; o < O; ++o) a[r][o][0] = a[r][o][1] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + LANES <= K; k += LANES) {
+      if (pf && n0 == 0 && k % 32 == 0) prefetch_chunk(pf, k);
+      __m256 xv[R][2];
+      for (int r = 0; r < R; ++r) xv[r][0] = load8(x + r * K + k), xv[r][1] = load8(x + r * K + k + 8);
+      for (int o = 0; o < O; ++o) {
+        const auto* wk = wat(n0 + o, k);
+        const __m256 w0 = load8(wk), w1 = load8(wk + 8);
+        for (int r = 0; r < R; ++r) {
+          a[r][o][0] = _mm256_fmadd_ps(xv[r][0], w0, a[r][o][0]);
+          a[r][o][1] = _mm256_fmadd_ps(xv[r][1], w1, a[r][o][1]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int o = 0; o < O; ++o) {
+        alignas(32) float acc[LANES];
+        _mm256_store_ps(acc, a[r][o][0]);
+        _mm256_store_ps(acc + 8, a[r][o][1]);
+        for (int64_t kk = k, l = 0; kk < K; ++kk, ++l) acc[l] = std::fma(f32(x[r * K + kk]), f32(wat(n0 + o, kk)[0]), acc[l]);
+        y[r * N + n0 + o] = reduce16(acc);
+      }
+  }
+}
+#else
+template <int R, typename XT, typename WAt>
+inline void dot_block(const XT* x, int64_t K, WAt wat, float* y, int64_t N, const at::BFloat16* pf) {
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < NB; ++n) {
       float acc[LANES] = {0};
       int64_t k = 0;
       for (; k + LANES <= K; k += LANES) {
         if (pf && r == 0 && n == 0 && k % 32 == 0) prefetch_chunk(pf, k);
-        const at::BFloat16* wk = wat(n, k);
+        const auto* wk = wat(n, k);
         for (int l = 0; l < LANES; ++l) acc[l] += f32(x[r * K + k + l]) * f32(wk[l]);
       }
       for (int l = 0; k < K; ++k, ++l) acc[l] += f32(x[r * K + k]) * f32(wat(n, k)[0]);
-      for (int w2 = LANES / 2; w2 > 0; w2 /= 2)
-        for (int l = 0; l < w2; ++l) acc[l] += acc[l + w2];
-      y[r * N + n] = acc[0];
+      y[r * N + n] = reduce16(acc);
     }
 }
-inline void dot_row16(const at::BFloat16*, int64_t, const at::BFloat16*, float*) {}
+#endif
+template <typename T> inline void dot_row16(const T*, int64_t, const at::BFloat16*, float*) {}
 constexpr bool ROW16 = false;
 #endif
 
+// The rows as `dot_block` reads them: bfloat16 as given where `vdpbf16ps` multiplies them, else
+// float32 (exact), converted once a product into `keep`.
+#if defined(__AVX512BF16__)
+using XT = at::BFloat16;
+inline const XT* x_operand(const torch::Tensor& x, torch::Tensor&) { return x.data_ptr<at::BFloat16>(); }
+#else
+using XT = float;
+inline const XT* x_operand(const torch::Tensor& x, torch::Tensor& keep) {
+  keep = x.to(torch::kFloat);
+  return keep.data_ptr<float>();
+}
+#endif
+
 template <typename WAt>
-inline void dot_rows(const at::BFloat16* x, int64_t M, int64_t r0, int64_t K, WAt wat, float* y, int64_t N,
+inline void dot_rows(const XT* x, int64_t M, int64_t r0, int64_t K, WAt wat, float* y, int64_t N,
                      const at::BFloat16* pf) {  // rows r0 .. M - 1 of NB outputs, RB rows at a time
   for (; r0 < M; r0 += RB, pf = nullptr) {
-    const at::BFloat16* xr = x + r0 * K;
+    const XT* xr = x + r0 * K;
     float* yr = y + r0 * N;
     switch (std::min(RB, M - r0)) {
       case 1: dot_block<1>(xr, K, wat, yr, N, pf); break;
@@ -118,7 +176,8 @@ inline void dot_rows(const at::BFloat16* x, int64_t M, int64_t r0, int64_t K, WA
 torch::Tensor bf16_mm_dot(torch::Tensor x, torch::Tensor w, bool out_bf16) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));
-  const auto* xp = x.data_ptr<at::BFloat16>();
+  torch::Tensor keep;
+  const XT* xp = x_operand(x, keep);
   const auto* wp = w.data_ptr<at::BFloat16>();
   float* yp = yf.data_ptr<float>();
   at::parallel_for(0, N / NB, 16, [&](int64_t b0, int64_t b1) {
@@ -137,7 +196,8 @@ torch::Tensor bf16_mm_dot(torch::Tensor x, torch::Tensor w, bool out_bf16) {
 torch::Tensor bf16_mm_dot_packed(torch::Tensor x, torch::Tensor w, bool out_bf16) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 16;
   auto yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));
-  const auto* xp = x.data_ptr<at::BFloat16>();
+  torch::Tensor keep;
+  const XT* xp = x_operand(x, keep);
   const auto* wp = w.data_ptr<at::BFloat16>();
   float* yp = yf.data_ptr<float>();
   at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) {
@@ -228,7 +288,39 @@ inline void decode_chunk(const uint8_t* c, const uint16_t* sz, uint16_t* out, in
     _mm512_storeu_si512(out + (n + 3) * stride, _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(w, 12), second), lut23));
   }
 }
+using QW = uint16_t;  // a decoded weight as the products read it: bfloat16 bits
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 without AVX-512: a chunk decoded straight to float32 (the bfloat16 weight, exactly), 8 inputs
+// a vector: code - 8 from the quad's words, (q - 8) scale + zero by one FMA (the product is exact, as
+// in the table), rounded to bfloat16 as `bf16_bits` rounds.
+using QW = float;
+inline __m256 bf16_round8(__m256 t) {
+  __m256i b = _mm256_castps_si256(t);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void decode_chunk(const uint8_t* c, const uint16_t* sz, float* out, int64_t stride) {
+  const __m256i m4 = _mm256_set1_epi16(0x0F), eight = _mm256_set1_epi16(8);
+  for (int64_t u = 0; u < 4; ++u) {
+    const __m256i w[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * u)),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * u + 32))};  // inputs 0..15, 16..31
+    for (int j = 0; j < 4; ++j) {
+      const int64_t n = 4 * u + j;
+      const __m256 vs = _mm256_set1_ps(bf16_float(sz[2 * n])), vz = _mm256_set1_ps(bf16_float(sz[2 * n + 1]));
+      const __m128i shift = _mm_cvtsi32_si128(4 * j);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i q = _mm256_sub_epi16(_mm256_and_si256(_mm256_srl_epi16(w[h], shift), m4), eight);
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(q)));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(q, 1)));
+        _mm256_storeu_ps(out + n * stride + 16 * h, bf16_round8(_mm256_fmadd_ps(lo, vs, vz)));
+        _mm256_storeu_ps(out + n * stride + 16 * h + 8, bf16_round8(_mm256_fmadd_ps(hi, vs, vz)));
+      }
+    }
+  }
+}
 #else
+using QW = uint16_t;
 inline void decode_chunk(const uint8_t* c, const uint16_t* sz, uint16_t* out, int64_t stride) {
   for (int64_t n = 0; n < QB; ++n) {
     uint16_t lut[16];
@@ -425,7 +517,8 @@ constexpr int64_t Q4_FUSED_ROWS = 4;  // up to this many rows, `q4_block_rows` (
 torch::Tensor q4_mm_dot(torch::Tensor x, torch::Tensor codes, torch::Tensor sz, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1), groups = K / QG;
   auto yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));
-  const auto* xp = x.data_ptr<at::BFloat16>();
+  torch::Tensor keep;
+  const XT* xp = x_operand(x, keep);
   const auto* cp = codes.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   float* yp = yf.data_ptr<float>();
@@ -448,13 +541,14 @@ torch::Tensor q4_mm_dot(torch::Tensor x, torch::Tensor codes, torch::Tensor sz, 
   }
 #endif
   at::parallel_for(0, N / QB, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<uint16_t> w(QB * K);  // the block's 16 outputs decoded, [out, in]
+    std::vector<QW> w(QB * K);  // the block's 16 outputs decoded, [out, in]
     for (int64_t b = b0; b < b1; ++b) {
       for (int64_t g = 0; g < groups; ++g)
         decode_chunk(cp + (b * groups + g) * 256, sp + (b * groups + g) * 32, w.data() + g * QG, K);
-      const auto* wb = reinterpret_cast<const at::BFloat16*>(w.data());
+      using WT = std::conditional_t<std::is_same_v<QW, float>, float, at::BFloat16>;
+      const auto* wb = reinterpret_cast<const WT*>(w.data());
       for (int64_t j = 0; j < QB; j += NB) {
-        const at::BFloat16* wj = wb + j * K;
+        const WT* wj = wb + j * K;
         dot_rows(xp, M, 0, K, [wj, K](int64_t n, int64_t k) { return wj + n * K + k; }, yp + b * QB + j, N, nullptr);
       }
     }
