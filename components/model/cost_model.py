@@ -17,8 +17,10 @@ from components.model.tuner import best_time, machine_parts, min_invariant_rows
 from pipeline.core import atomic_write
 
 def _precision_key(args, device: torch.device, native: bool) -> str:
+    """Machine, model shape, and the native build measured (its key digests the kernels' source and
+    flags: new kernels are measured again, never judged by an old build's times)."""
     parts = [*machine_parts(device), f"{args.n_layers}x{args.dim}x{args.hidden_dim}x{args.n_heads}x{args.n_kv_heads}",
-             str(args.vocab_size), f"native={native}", "precision-v6"]
+             str(args.vocab_size), f"native={native_mod.key() if native else False}", "precision-v6"]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 
