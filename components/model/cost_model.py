@@ -20,17 +20,18 @@ def _precision_key(args, device: torch.device, native: bool) -> str:
     """Machine, model shape, and the native build measured (its key digests the kernels' source and
     flags: new kernels are measured again, never judged by an old build's times)."""
     parts = [*machine_parts(device), f"{args.n_layers}x{args.dim}x{args.hidden_dim}x{args.n_heads}x{args.n_kv_heads}",
-             str(args.vocab_size), f"native={native_mod.key() if native else False}", "precision-v6"]
+             str(args.vocab_size), f"native={native_mod.key() if native else False}", "precision-v7"]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 
 @torch.inference_mode()
 def precision_costs(args, candidates: list[str], device: torch.device, cache: Path | None, rows: int = 1,
                     native: bool = True) -> dict[str, dict]:
-    """Per precision: `ms`, the products of one step of `rows` rows (the run's batch size times its
-    tree's rows: one layer's four matrices scaled to all layers, plus the LM head), on random
-    matrices of the model's shapes with the kernels the model will run (the native ones where built
-    and `native`), what `precision=auto` picks by; and `invariant`, whether every product torch
+    """Per precision: `ms`, one step of `rows` rows (the run's batch size times its tree's rows): its
+    products (one layer's four matrices scaled to all layers, plus the LM head, on random matrices of
+    the model's shapes with the kernels the model will run: the native ones where built and
+    `native`) and the rest of its layers' work (`glue_ms` a layer: `_glue_ms`), what `precision=auto`
+    picks by; and `invariant`, whether every product torch
     computes has a batch-invariant path here (`min_invariant_rows`; the native products are
     invariant by construction), without which a tree or a batch in that precision may give other
     tokens than plain greedy. Seconds per new row count; cached per machine, thread count, model
@@ -46,7 +47,10 @@ def precision_costs(args, candidates: list[str], device: torch.device, cache: Pa
     for mode in todo:
         inv = next((v["invariant"] for k, v in known.items() if k.startswith(f"{mode}@")), None)
         try:
-            known[f"{mode}@{rows}"] = _precision_cost(mode, args, shapes, device, sync, rows, ops, inv)
+            cost = _precision_cost(mode, args, shapes, device, sync, rows, ops, inv)
+            cost["glue_ms"] = round(_glue_ms(mode, args, device, sync, rows, ops is not None), 3)
+            cost["ms"] = round(cost["ms"] + args.n_layers * cost["glue_ms"], 3)
+            known[f"{mode}@{rows}"] = cost
         except RuntimeError:  # this device has no kernel for it (e.g. int4 on an old GPU): not a candidate
             known[f"{mode}@{rows}"] = {"ms": float("inf"), "invariant": False}
     if todo and path is not None:
@@ -93,3 +97,59 @@ def _precision_cost(mode: str, args, shapes, device, sync, rows: int, ops, invar
             inv = any(min_invariant_rows(lambda x, f=f: f(x)[0], k, dt, device) > 0 for f in fns.values())
     return {"ms": round(total, 3), "invariant": inv}
 
+
+
+@torch.inference_mode()
+def _glue_ms(mode: str, args, device: torch.device, sync, rows: int, native: bool, context: int = 64) -> float:
+    """ms of one layer's work besides its four products at `rows` rows (a chain of them after
+    `context` cached tokens): norms, RoPE, the cache write, attention, residuals, SwiGLU and the
+    Python between them. It differs by precision more than the products do where bfloat16 and q4
+    run the fused native kernels and float32 torch's ops (an AVX2 CPU: products 15 ms float32 against
+    21 ms q4 at 4 rows, whole steps 27 against 19 ms). Measured on a one-layer model of the model's
+    shapes with random weights, built as the loader builds it: its step through the layer less the
+    step through none, less the layer's products timed the same (hot) way."""
+    from components.kv.contiguous import ContiguousKV  # the loader's and the engine's parts: imported when measured
+    from components.model.linear import Dense as DenseMatrix
+    from components.model.llama import Transformer
+    from components.model.load import build
+    from pipeline.core import StepBatch, forward_step
+
+    small = copy.copy(args)
+    small.n_layers, small.vocab_size = 1, 256  # the head is timed apart (`_precision_cost`)
+    g = torch.Generator().manual_seed(0)
+    with torch.device("meta"):
+        names = {k: v.shape for k, v in Transformer(small).state_dict().items()}
+    weights = {k: (1.0 + 0.1 * torch.randn(s, generator=g)) if k.endswith("norm.weight") else torch.randn(s, generator=g) * 0.05
+               for k, s in names.items() if k != "inv_freq"}
+    model = build(small, weights, mode, str(device), optimize=False)
+    for m in model.layers[0].matrices():
+        m.make_transposed()  # as optimize_for_decoding: the [out, in] copies the native product reads
+    model.use_native(native)
+    kv = ContiguousKV(None, context + rows + 8, 1, small.n_kv_heads, small.head_dim, model.attn_dtype, device=device)
+    seq = kv.create()
+    forward_step(model, kv, StepBatch.build([seq], [torch.randint(0, 256, (context,))], [None], [None], [0], model.attn_dtype))
+    kv.commit(seq)
+    tok = torch.randint(0, 256, (rows,))
+    mask = torch.ones(rows, rows, dtype=torch.bool).tril_() if rows > 1 else None
+    depth = torch.arange(rows) if rows > 1 else None
+
+    def step(layers):
+        forward_step(model, kv, StepBatch.build([seq], [tok], [depth], [mask], [kv.length(seq)], model.attn_dtype), layers)
+        kv.discard(seq)
+        sync()
+
+    blk, x = model.layers[0], torch.randn(rows, small.dim, device=device).to(model.dtype)
+
+    def product(m, x):  # as the step computes it: the native kernel where it takes this matrix
+        if isinstance(m, DenseMatrix) and m.native_ok and model.native is not None:
+            return model.native.bf16_mm(x, m.packed(m.weight_t), True)
+        return m(x)
+
+    def products():
+        qkv = product(blk.wqkv, x)
+        product(blk.wo, qkv[:, :small.n_heads * small.head_dim].contiguous())
+        gu = product(blk.w13, x)
+        product(blk.w2, gu[:, :small.hidden_dim].contiguous())
+        sync()
+    layer = best_time(lambda: step(None), reps=5) - best_time(lambda: step([]), reps=5)
+    return max(0.0, layer - best_time(products, reps=5)) * 1e3
