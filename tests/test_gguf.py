@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from components.model import gguf as ours
+from components.model.assemble import PRECISIONS
 from components.model.linear import Int4, quantize_q4
-from components.model.load import PRECISIONS, content_key, from_pretrained, smollm2_gguf, tiny
+from components.model.load import content_key, from_pretrained, smollm2_gguf, tiny
 from pipeline.core import UserError
 
 from helpers import TEXT_PROMPTS, compose_config, decoder_for

@@ -10,11 +10,14 @@ from pathlib import Path
 
 import torch
 
+from components.kv.contiguous import ContiguousKV
 from components.model import native as native_mod
+from components.model.assemble import build
 from components.model.kernels import dense_kernels, matmul
-from components.model.linear import Int4, native_bf16_layout, quantize_q4
+from components.model.linear import Dense, Int4, native_bf16_layout, quantize_q4
+from components.model.llama import Transformer
 from components.model.tuner import best_time, machine_parts, min_invariant_rows
-from pipeline.core import atomic_write
+from pipeline.core import StepBatch, atomic_write, forward_step
 
 def _precision_key(args, device: torch.device, native: bool) -> str:
     """Machine, model shape, and the native build measured (its key digests the kernels' source and
@@ -108,12 +111,6 @@ def _glue_ms(mode: str, args, device: torch.device, sync, rows: int, native: boo
     21 ms q4 at 4 rows, whole steps 27 against 19 ms). Measured on a one-layer model of the model's
     shapes with random weights, built as the loader builds it: its step through the layer less the
     step through none, less the layer's products timed the same (hot) way."""
-    from components.kv.contiguous import ContiguousKV  # the loader's and the engine's parts: imported when measured
-    from components.model.linear import Dense as DenseMatrix
-    from components.model.llama import Transformer
-    from components.model.load import build
-    from pipeline.core import StepBatch, forward_step
-
     small = copy.copy(args)
     small.n_layers, small.vocab_size = 1, 256  # the head is timed apart (`_precision_cost`)
     g = torch.Generator().manual_seed(0)
@@ -141,7 +138,7 @@ def _glue_ms(mode: str, args, device: torch.device, sync, rows: int, native: boo
     blk, x = model.layers[0], torch.randn(rows, small.dim, device=device).to(model.dtype)
 
     def product(m, x):  # as the step computes it: the native kernel where it takes this matrix
-        if isinstance(m, DenseMatrix) and m.native_ok and model.native is not None:
+        if isinstance(m, Dense) and m.native_ok and model.native is not None:
             return model.native.bf16_mm(x, m.packed(m.weight_t), True)
         return m(x)
 
