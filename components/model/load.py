@@ -128,7 +128,7 @@ def convert_hf_state_dict(sd: dict[str, torch.Tensor], args: LlamaArgs) -> dict[
 
 def resolve_precision(precision: str, candidates: list[str], args: LlamaArgs, device: torch.device,
                       invariant: bool = False, step_rows: int = 1, native: bool = True) -> tuple[str, dict]:
-    """`auto` -> the candidate whose products measure fastest here for a step of `step_rows` rows
+    """`auto` -> the candidate whose step (products and layer glue) measures fastest here for `step_rows` rows
     (the run's batch size times its tree's rows: bfloat16 can win a large batch where q4 wins one
     row); with `invariant` (a speculative or batched run) only among the precisions whose products
     all have a batch-invariant path on this machine, and float32 (lossless in practice). Returns the
