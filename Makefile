@@ -71,16 +71,15 @@ heads: setup
 	mkdir -p $(SHIP)
 	cp outputs/train/shipped/heads.safetensors outputs/train/shipped/metrics.json outputs/train/shipped/train_config.yaml $(SHIP)/
 	$(PY) -m pipeline.tree_search search.install=true hydra.run.dir=outputs/tree_search/shipped
-	$(PY) -m pipeline.train heads=eagle data.max_samples=8896 trainer.max_steps=600 checkpoint_every=100 hydra.run.dir=outputs/train/shipped_eagle  # ~1M tokens, EAGLE-1
-	prev=outputs/train/shipped_eagle; for stage in ttt1 ttt2 ttt3 ctx1 ctx2; do \
-	  case $$stage in ctx*) ctx=true;; *) ctx=false;; esac; \
-	  $(PY) -m pipeline.train heads=eagle data.max_samples=8896 data.context=$$ctx heads.init=$$prev/heads.safetensors \
-	    module.unroll=2 trainer.max_steps=600 checkpoint_every=100 hydra.run.dir=outputs/train/shipped_eagle_$$stage || exit 1; \
+	$(PY) -m pipeline.train heads=eagle model.dtype=q4 data.max_samples=19600 trainer.max_steps=2400 checkpoint_every=200 hydra.run.dir=outputs/train/shipped_eagle  # ~2M tokens, EAGLE-1
+	prev=outputs/train/shipped_eagle; for stage in ttt1 ttt2; do \
+	  $(PY) -m pipeline.train heads=eagle model.dtype=q4 data.max_samples=19600 heads.init=$$prev/heads.safetensors \
+	    module.unroll=2 trainer.max_steps=1200 checkpoint_every=200 hydra.run.dir=outputs/train/shipped_eagle_$$stage || exit 1; \
 	  prev=outputs/train/shipped_eagle_$$stage; \
-	done  # then the training-time test, 3 stages on the answers, 2 with prompt context (each still rising)
-	cp outputs/train/shipped_eagle_ctx2/heads.safetensors $(SHIP)/eagle.safetensors
-	cp outputs/train/shipped_eagle_ctx2/metrics.json $(SHIP)/eagle_metrics.json
-	cp outputs/train/shipped_eagle_ctx2/train_config.yaml $(SHIP)/eagle_train_config.yaml
+	done  # then the training-time test two deep, 2 stages of 1,200 steps (each still rising)
+	cp outputs/train/shipped_eagle_ttt2/heads.safetensors $(SHIP)/eagle.safetensors
+	cp outputs/train/shipped_eagle_ttt2/metrics.json $(SHIP)/eagle_metrics.json
+	cp outputs/train/shipped_eagle_ttt2/train_config.yaml $(SHIP)/eagle_train_config.yaml
 
 clean:
 	rm -rf .venv outputs/runs outputs/multirun
