@@ -138,7 +138,8 @@ def test_a_failed_or_interrupted_run_leaks_no_block(tiny_variants, kv, exc):
     eng = rebuild(decoder_for("tree_ngram", bb, f"kv={kv}", "batch_size=3", max_new_tokens=30), proposer=failing)
     with pytest.raises(exc, match="proposer failed"):
         eng.run(mixed_prompts(bb))
-    assert failing.calls == 8
+    # Ctrl-C ends the step at once; an error is first isolated (the step redone on halves of its requests)
+    assert failing.calls == 8 if exc is KeyboardInterrupt else failing.calls > 8
     assert eng.kv.sequences == [] and eng.kv.stats()["bytes_in_use"] == 0
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.errors import UserError
+from pipeline.core.faults import blame, isolate
 from pipeline.core.masks import StepConstraints
 from pipeline.core.runner import Request, Runner, SamplingParams, forward_step
 from pipeline.core.target import RowGroup, TargetStage
@@ -70,6 +71,7 @@ class _Live:
     logprobs: int | None = None  # Request.logprobs
     done: bool = False
     mask_s: float = 0.0  # constraint time (masks, tree walk, advances) in the current step
+    error: BaseException | None = None  # its own work failed: it ends with finish_reason "error"
 
 
 class Engine(Runner):
@@ -79,6 +81,7 @@ class Engine(Runner):
     speculates = True
     plain = True
     per_request = True
+    rewinds = True
 
     def __init__(self, model, kv, sampler, eos_ids: list[int], max_new_tokens: int, proposer=None,
                  verifier=None, seed: int = 0, batch_size: int = 1, constraint=None, guard=None,
@@ -155,31 +158,47 @@ class Engine(Runner):
     # --- requests join and leave ----------------------------------------------------------------
     def _join(self, joining: list[tuple[int, Request]]) -> None:
         """Prefill the joining requests, packed into forwards of at most PREFILL_ROWS padded prompt
-        rows (a longer prompt goes alone), and choose each one's first token."""
+        rows (a longer prompt goes alone), and choose each one's first token. A request whose own
+        work fails in its prefill fails alone (`pipeline.core.faults`)."""
         group: list[tuple[int, Request]] = []
         for item in joining:
             if item[1].sibling_of is not None and any(h == item[1].sibling_of for h, _ in group):
                 group.append(item)  # forks its sibling's prompt: no rows of its own
                 continue
             if group and (len(group) + 1) * max(len(item[1].prompt), *(len(r.prompt) for _, r in group)) > PREFILL_ROWS:
-                self._prefill(group)
+                self._prefill_alone(group)
                 group = []
             group.append(item)
-        self._prefill(group)
+        self._prefill_alone(group)
+
+    def _prefill_alone(self, group: list[tuple[int, Request]]) -> None:
+        for (handle, _), cause, _ in isolate(group, self._prefill, self._unjoin, lambda item: item[0]):
+            self._fail_joining(handle, cause)
+
+    def _unjoin(self, group: list[tuple[int, Request]]) -> None:
+        """Undo a prefill that raised before it committed: the group's live states go, with their memory."""
+        handles = {h for h, _ in group}
+        for s in [s for s in self._live if s.index in handles]:
+            self._live.remove(s)
+            self._release(s)
 
     def _prefill(self, group: list[tuple[int, Request]]) -> None:
         """One forward over the prompts of a group of joining requests. A request whose sibling
         (`Request.sibling_of`, n > 1) is prefilled in this forward forks its prompt KV and takes its
-        first token from the sibling's row of the target, with its own generator."""
+        first token from the sibling's row of the target, with its own generator. Every first token
+        is chosen before any is committed (a failure before then can be undone: `_unjoin`)."""
         t0 = time.perf_counter()
         joined, fed, row = [], [], {}  # every joining request; those whose prompt the forward reads; request -> its row
         for handle, r in group:
-            grammar, sampling = self._grammar(r), self._knobs(r.sampling)
+            with blame(handle):  # its constraint, its knobs' warpers, its seed
+                grammar, sampling = self._grammar(r), self._knobs(r.sampling)
+                state = None if grammar is None else grammar.start()
+                warpers = None if sampling is None else self.sampler.warpers(sampling)
+                generator = torch.Generator().manual_seed(r.seed)
             sibling = next((f for f in fed if f.index == r.sibling_of), None)
             s = _Live(handle, None if sibling is not None else self.kv.create(), len(r.prompt), list(r.prompt), None,
-                      Generation(logprobs=None if r.logprobs is None else []), torch.Generator().manual_seed(r.seed),
-                      t0, self._budget_of(r), grammar, None if grammar is None else grammar.start(), sampling,
-                      None if sampling is None else self.sampler.warpers(sampling), self._proposer_of(r), r.logprobs)
+                      Generation(logprobs=None if r.logprobs is None else []), generator, t0, self._budget_of(r),
+                      grammar, state, sampling, warpers, self._proposer_of(r), r.logprobs)
             s.gen.constraint = None if grammar is None else grammar.kind
             self._live.append(s)
             joined.append(s)
@@ -195,24 +214,34 @@ class Engine(Runner):
         last = [o - 1 for o in step.offsets[1:]]
         allowed = masks()
         p = self.target(self.model.logits(h[last]), input_ids=lambda: [s.tokens for s in fed], allowed=allowed,
-                        describe=self.masks.describe(fed, [1] * len(fed)), groups=_groups(fed, [1] * len(fed)))
+                        where=self.masks.where(fed, [1] * len(fed)), groups=_groups(fed, [1] * len(fed)))
+        firsts = []
+        for s in joined:  # every first token chosen before anything commits
+            b = row[s.index]
+            with blame(s.index):
+                first = self.sampler.choose(p.rows(b, b + 1), [s.generator])[0]
+                firsts.append((first, None if s.logprobs is None else _logprobs(p.rows(b, b + 1), [0], [first], s.logprobs)))
         self.masks.charge(fed, allowed, self.target.mask_s)
         ms = (time.perf_counter() - t0) * 1e3
-        for s in joined:
+        for s, (first, lps) in zip(joined, firsts):
             b = row[s.index]
-            if s.seq is None:
-                s.seq = self.kv.fork(fed[b].seq)  # its sibling's prompt KV, committed just before
-            else:
-                self.kv.commit(s.seq)
-            first = self.sampler.choose(p.rows(b, b + 1), [s.generator])[0]
-            if s.proposer is not None:
-                s.proposer.start(s.seq, s.tokens)
-                s.proposer.observe(s.seq, s.tokens[1:] + [first], f[step.offsets[b]:step.offsets[b + 1]])
-            s.hidden = h[last[b]]
-            s.gen.prefill_ms = ms
-            lps = None if s.logprobs is None else _logprobs(p.rows(b, b + 1), [0], [first], s.logprobs)
-            self._emit(s, [first], f[last[b]:last[b] + 1], lps)
-            self.masks.note(s)
+            _alone(s, lambda: self._start(s, fed[b], first, lps, f[step.offsets[b]:step.offsets[b + 1]], h[last[b]],
+                                          f[last[b]:last[b] + 1], ms))
+
+    def _start(self, s: _Live, source: _Live, first: int, lps: list | None, feats: torch.Tensor,
+               hidden: torch.Tensor, out: torch.Tensor, ms: float) -> None:
+        """Commit a prefilled request's prompt (or fork its sibling's, `source`) and its first token."""
+        if s.seq is None:
+            s.seq = self.kv.fork(source.seq)  # its sibling's prompt KV, committed just before
+        else:
+            self.kv.commit(s.seq)
+        if s.proposer is not None:
+            s.proposer.start(s.seq, s.tokens)
+            s.proposer.observe(s.seq, s.tokens[1:] + [first], feats)
+        s.hidden = hidden
+        s.gen.prefill_ms = ms
+        self._emit(s, [first], out, lps)
+        self.masks.note(s)
 
     def _release(self, s: _Live) -> None:
         if s.seq is None:  # a fork that never got its KV (its step failed first)
@@ -241,19 +270,37 @@ class Engine(Runner):
         h, f = self._forward(step)  # (R, dim), and what observers read
         allowed = masks()
         p = self.target(self.model.logits(h), input_ids=lambda: _contexts(live, trees), allowed=allowed,
-                        describe=self.masks.describe(live, sizes), groups=_groups(live, sizes))
+                        where=self.masks.where(live, sizes), groups=_groups(live, sizes))
+        decided = []
+        for s, tree, o in zip(live, trees, step.offsets):  # every request's tokens before anything commits
+            with blame(s.index):
+                decided.append(self._decide(s, tree, p.rows(o, o + tree.size)))
         self.masks.charge(live, allowed, self.target.mask_s)
-        committed = [self._commit(s, tree, p.rows(o, o + tree.size), h[o:o + tree.size], f[o:o + tree.size])
-                     for s, tree, o in zip(live, trees, step.offsets)]
+        committed = [(s, tree, new, lps, _alone(s, lambda: self._commit(s, tree, path, new, h[o:o + tree.size],
+                                                                        f[o:o + tree.size])))
+                     for s, tree, o, (path, new, lps) in zip(live, trees, step.offsets, decided)]
+        committed = [c for c in committed if not c[0].done]  # a commit that failed failed its request alone
         ms = (time.perf_counter() - t) * 1e3
         if self.guard is not None and any(s.proposer is not None for s in live):
-            self.guard.record(any(tr.size > 1 for tr in trees), sum(len(new) for new, _, _ in committed), ms)
-        for s, tree, (new, hidden, lps) in zip(live, trees, committed):
+            self.guard.record(any(tr.size > 1 for tr in trees), sum(len(new) for _, _, new, _, _ in committed), ms)
+        for s, tree, new, lps, feats in committed:
             s.gen.step_ms.append(ms)
             s.gen.step_nodes.append(tree.size)
             s.gen.tree_depths.append(tree.max_depth)
-            self._emit(s, new, hidden, lps)
-            self.masks.note(s)
+            _alone(s, lambda: (self._emit(s, new, feats, lps), self.masks.note(s)))
+
+    def _snapshot(self, live: list[_Live]) -> list:
+        """What a step changes before it commits: each generator's state and the pruned-draft count."""
+        return [(s.generator.get_state(), s.gen.pruned_drafts) for s in live]
+
+    def _rewind(self, live: list[_Live], snapshot: list) -> None:
+        """Undo a step over `live` that raised before committing: the forward's tentative KV slots go,
+        the generators draw again from where they were (the redone step gives the same tokens)."""
+        for s, (state, pruned) in zip(live, snapshot):
+            s.generator.set_state(state)
+            s.gen.pruned_drafts, s.mask_s = pruned, 0.0
+            if s.seq in self.kv.sequences:
+                self.kv.discard(s.seq)
 
     def _forward(self, step: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's hidden states (R, dim) and what `observe` / `on_tokens` read: the same, or
@@ -316,17 +363,24 @@ class Engine(Runner):
             return self.verifier
         return self.greedy_verifier if s.sampling.greedy else self.sampling_verifier
 
-    def _commit(self, s: _Live, tree: Tree, p, h: torch.Tensor, f: torch.Tensor) -> tuple[list[int], torch.Tensor, list | None]:
-        """Verify s's tree against its rows of the target (p, hidden h (n, dim) and what observers
-        read, f: `_forward`), keep the accepted path's KV slots, and return the committed tokens with
-        f along the path (and the tokens' log-probabilities where the request asked: token k is
-        drawn from row path[k])."""
+    def _decide(self, s: _Live, tree: Tree, p) -> tuple[list[int], list[int], list | None]:
+        """s's tokens from its rows of the target p: its tree verified (a lone root sampled). Returns
+        the accepted path (node indices), the committed tokens, and their log-probabilities where the
+        request asked (token k is drawn from row path[k]). Changes nothing but s's generator."""
         if tree.size == 1:
             path, new = [0], self.sampler.choose(p, [s.generator])
-            self.kv.commit(s.seq)
         else:
             acc = self._verifier(s).verify(tree, p, s.generator)
             path, new = acc.path, acc.tokens
+        return path, new, None if s.logprobs is None else _logprobs(p, path, new, s.logprobs)
+
+    def _commit(self, s: _Live, tree: Tree, path: list[int], new: list[int], h: torch.Tensor,
+                f: torch.Tensor) -> torch.Tensor:
+        """Keep the accepted path's KV slots of s's tree (hidden h (n, dim) and what observers read,
+        f: `_forward`), tell the proposer, and return f along the path."""
+        if tree.size == 1:
+            self.kv.commit(s.seq)
+        else:
             self.kv.commit(s.seq, path)
             if self.record_trees:
                 s.gen.trees.append({"step": len(s.gen.accepted_lengths), "tokens": tree.tokens.tolist(),
@@ -336,7 +390,7 @@ class Engine(Runner):
         if s.proposer is not None:
             s.proposer.observe(s.seq, new, feats)
         s.hidden = h[path[-1]]
-        return new, feats, None if s.logprobs is None else _logprobs(p, path, new, s.logprobs)
+        return feats
 
     def _emit(self, s: _Live, new: list[int], hidden: torch.Tensor, lps: list | None = None) -> None:
         """Append committed tokens (and their log-probabilities, lps), stopping exactly where plain
@@ -384,6 +438,16 @@ def _logprobs(p, rows: list[int], tokens: list[int], k: int) -> list[tuple[float
             for c, ids, vals in zip(chosen, top.indices.tolist(), top.values.tolist())]
 
 
+def _alone(s: _Live, fn):
+    """fn() for s after its tokens are decided: a failure there is s's alone (it ends with the error;
+    the other requests' commits go on). Returns fn's result (None when it failed)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - one request's failure never fails another
+        s.done, s.error = True, e
+        return None
+
+
 def _groups(live: list[_Live], sizes: list[int]) -> list[RowGroup] | None:
     """The rows of the requests with knobs of their own, one group per distinct knobs (None when
     every request has the sampler's: the common path)."""
@@ -393,7 +457,9 @@ def _groups(live: list[_Live], sizes: list[int]) -> list[RowGroup] | None:
     o = 0
     for s, n in zip(live, sizes):
         if s.sampling is not None:
-            groups.setdefault(s.sampling, RowGroup([], s.warpers, s.sampling.greedy)).rows.extend(range(o, o + n))
+            g = groups.setdefault(s.sampling, RowGroup([], s.warpers, s.sampling.greedy))
+            g.rows.extend(range(o, o + n))
+            g.owners.append(s.index)
         o += n
     return list(groups.values())
 

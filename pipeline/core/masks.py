@@ -21,6 +21,7 @@ import torch
 
 from pipeline.core.bits import allows, words
 from pipeline.core.constrain import walk_tree
+from pipeline.core.faults import blame
 from pipeline.core.tree import Tree
 
 
@@ -35,7 +36,8 @@ class StepConstraints:
         if s.constraint is None or tree.size == 1:
             return tree, None
         t0 = time.perf_counter()
-        tree, bits, pruned = walk_tree(s.constraint, tree, self.eos_ids, self.vocab_size, self._narrower(s))
+        with blame(s.index):  # a constraint's failure is its request's
+            tree, bits, pruned = walk_tree(s.constraint, tree, self.eos_ids, self.vocab_size, self._narrower(s))
         s.gen.pruned_drafts += pruned
         s.mask_s += time.perf_counter() - t0
         return tree, bits
@@ -60,10 +62,11 @@ class StepConstraints:
         @torch.inference_mode()  # the worker thread's own mode: bits was made under the engine's
         def fill_roots() -> None:
             for s, o in roots:
-                s.constraint.fill(bits[o])
-                narrow = self._narrower(s)
-                if narrow is not None:
-                    narrow(bits[o], 0, s.constraint)
+                with blame(s.index):  # a constraint's failure is its request's
+                    s.constraint.fill(bits[o])
+                    narrow = self._narrower(s)
+                    if narrow is not None:
+                        narrow(bits[o], 0, s.constraint)
 
         if roots and self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="constraint-masks")
@@ -86,17 +89,18 @@ class StepConstraints:
             for s in seqs:
                 s.mask_s += mask_s / n if s.constraint is not None else 0.0
 
-    def describe(self, seqs: list, sizes: list[int]) -> Callable[[int], str]:
-        """Names the request, node and constraint state of row r (for the empty-allowed-set error)."""
-        def describe(r: int) -> str:
+    def where(self, seqs: list, sizes: list[int]) -> Callable[[int], tuple[int | None, str]]:
+        """Row r's request (its handle) and a text naming the request, node and constraint state (for
+        the empty-allowed-set error, that request's fault)."""
+        def where(r: int) -> tuple[int | None, str]:
             o = 0
             for s, n in zip(seqs, sizes):
                 if r < o + n:
-                    where = f"request {s.index}" + (f", draft node {r - o}" if n > 1 else "")
-                    return f"{where}: {s.constraint.describe() if s.constraint is not None else 'unconstrained'}"
+                    text = f"request {s.index}" + (f", draft node {r - o}" if n > 1 else "")
+                    return s.index, f"{text}: {s.constraint.describe() if s.constraint is not None else 'unconstrained'}"
                 o += n
-            return f"row {r}"
-        return describe
+            return None, f"row {r}"
+        return where
 
     def advance(self, s, tok: int) -> bool:
         """Move s's constraint past a committed token; True when it is then complete."""

@@ -13,6 +13,7 @@ named draft, siblings).
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, replace
@@ -21,10 +22,12 @@ from typing import Callable
 import torch
 
 from pipeline.errors import UserError, positive_int
+from pipeline.core.faults import isolate
 from pipeline.core.types import Generation, StepBatch
 
 
 MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's limit)
+SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed takes (from 0: a seed is a count here)
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy decoding (vLLM's rule): 0 is the usual way to ask
 
 
@@ -38,9 +41,9 @@ class SamplingParams:
     top_k: int = 0
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) or self.temperature < 0:
-            raise UserError(f"temperature must be a number >= 0 (0: greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise UserError(f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise UserError(f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
@@ -50,6 +53,18 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_seed(seed, name: str = "seed") -> int:
+    """A seed torch's generators take: an int in SEED_RANGE, else a UserError naming it."""
+    low, high = SEED_RANGE
+    if not isinstance(seed, int) or isinstance(seed, bool) or not low <= seed <= high:
+        raise UserError(f"{name} must be an int in {low}..{high} (2**64 - 1), got {seed!r}")
+    return seed
 
 
 @dataclass
@@ -97,6 +112,7 @@ class Runner(ABC):
     speculates = False  # takes a proposer (tree speculation)
     plain = False  # with no proposer its tokens are plain decoding's
     per_request = False  # takes a request's own options (REQUEST_OPTIONS)
+    rewinds = False  # a failed step can be undone (`_snapshot`, `_rewind`): one request's failure fails it alone
 
     def __init__(self, model, kv, sampler, eos_ids: list[int], max_new_tokens: int, seed: int = 0,
                  batch_size: int = 1, constraint=None):
@@ -108,12 +124,15 @@ class Runner(ABC):
         self.on_tokens: Callable | None = None  # on_tokens(handle, ids, hidden): committed tokens, as they come
         self._queue: deque[tuple[int, Request]] = deque()
         self._live: list = []
+        self._failed: list[tuple[int, Generation]] = []  # failed before they were live, reported by the next step()
+        self.step_failure: BaseException | None = None  # the last step's, when it was the model's
         self._next = 0
 
     # --- the engine-core API ---------------------------------------------------------------------
     def add(self, request: Request) -> int:
         """Queue a request; it joins at the next step with room. Returns its handle."""
         check_prompt(self._next, request.prompt, self.model.args.max_seq_len)
+        check_seed(request.seed, f"request {self._next}'s seed")
         if request.max_new_tokens is not None:
             positive_int(request.max_new_tokens, "max_new_tokens")
         given = [k for k in REQUEST_OPTIONS if getattr(request, k) is not None]
@@ -170,24 +189,49 @@ class Runner(ABC):
     @torch.inference_mode()
     def step(self) -> list[tuple[int, Generation]]:
         """Admit what fits, run one step over the live requests, and return the (handle, Generation)
-        of each request that finished in it (its memory already back in the pool)."""
+        of each request that finished in it (its memory already back in the pool). A request whose
+        own work failed finishes alone with finish_reason "error" (`pipeline.core.faults`);
+        `step_failure` holds the cause when every request of the step failed unexplained (the
+        model's failure), else None."""
+        self.step_failure = None
         joining = []
         while self._queue and len(self._live) + len(joining) < self.batch_size:
             joining.append(self._queue.popleft())
         if joining:
             self._join(joining)
-        if any(not s.done for s in self._live):
-            self._step([s for s in self._live if not s.done])
-        finished = []
+        live = [s for s in self._live if not s.done]
+        if live and self.rewinds:
+            saved: list = []
+
+            def run(part: list) -> None:
+                saved[:] = [self._snapshot(part)]
+                self._step(part)
+
+            failed = isolate(live, run, lambda part: self._rewind(part, saved[0]), lambda s: s.index)
+            for s, cause, _ in failed:
+                s.done, s.error = True, cause
+            if failed and all(not blamed for _, _, blamed in failed) and len(failed) == len(live):
+                self.step_failure = failed[-1][1]
+        elif live:
+            self._step(live)
+        finished, self._failed = self._failed, []
         for s in [s for s in self._live if s.done]:
             self._live.remove(s)
             self._release(s)
-            finished.append((s.index, self._finish(s)))
+            gen = self._finish(s)
+            if getattr(s, "error", None) is not None:
+                _failed(gen, s.error)
+            finished.append((s.index, gen))
         return finished
+
+    def _fail_joining(self, handle: int, cause: BaseException) -> None:
+        """A request that failed before it was live (its prefill): it finishes at the end of the step."""
+        self._failed.append((handle, _failed(Generation(), cause)))
 
     def abort_all(self) -> None:
         """Every request gone, its memory back in the pool."""
         self._queue.clear()
+        self._failed.clear()
         while self._live:
             self._release(self._live.pop())
 
@@ -215,6 +259,8 @@ class Runner(ABC):
                 self.add(Request(list(p), s, g, max_new_tokens))
             while self.has_work:
                 for i, gen in self.step():
+                    if gen.finish_reason == "error":  # a batch run ends on any request's failure
+                        raise gen.fault
                     out[i] = gen
                     if on_finish is not None:
                         on_finish(i, gen)
@@ -253,6 +299,14 @@ class Runner(ABC):
     def _budget_of(self, request: Request) -> int:
         return self.max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
 
+    def _snapshot(self, live: list):
+        """What `_rewind` needs to undo a step over `live` (runners with `rewinds`)."""
+        raise NotImplementedError
+
+    def _rewind(self, live: list, snapshot) -> None:
+        """Undo a step over `live` that raised before it committed anything."""
+        raise NotImplementedError
+
     @abstractmethod
     def _join(self, joining: list[tuple[int, Request]]) -> None:
         """Prefill the joining requests and append their live state to self._live (as soon as their
@@ -269,3 +323,10 @@ class Runner(ABC):
     @abstractmethod
     def _finish(self, s) -> Generation:
         """The Generation of a request that is done (its memory is already released)."""
+
+
+def _failed(gen: Generation, cause: BaseException) -> Generation:
+    """gen as a failed request's: finish_reason "error", the cause kept (`fault`) and said (`error`)."""
+    gen.finish_reason, gen.fault = "error", cause
+    gen.error = str(cause) if isinstance(cause, UserError) else f"{type(cause).__name__}: {cause}"
+    return gen

@@ -9,23 +9,27 @@ and a group says whether its rows are chosen greedily.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from pipeline.core.bits import allows, unpack
+from pipeline.core.faults import RequestFault, blame
 from pipeline.errors import UserError
 
 
 @dataclass
 class RowGroup:
     """Rows of a step that one set of sampling knobs processes: after the shared processors, its
-    `warpers` run over `rows` (indices into the step's rows), and `greedy` says how they are chosen."""
+    `warpers` run over `rows` (indices into the step's rows), and `greedy` says how they are chosen.
+    `owners`: the handles of the requests whose rows they are (a failure of the warpers is theirs)."""
     rows: list[int]
     warpers: list
     greedy: bool
+    owners: list[int] = field(default_factory=list)
 
 
 class Target:
@@ -132,12 +136,13 @@ class TargetStage:
         self.mask_s = 0.0  # time the last call spent applying `allowed`
 
     def __call__(self, logits: torch.Tensor, input_ids: Callable[[], list[list[int]]] | None = None,
-                 allowed: torch.Tensor | None = None, describe: Callable[[int], str] | None = None,
+                 allowed: torch.Tensor | None = None, where: Callable[[int], tuple[int | None, str]] | None = None,
                  groups: list[RowGroup] | None = None) -> Target:
         """logits: (R, V) float32. input_ids: builds the context of every row, called only when a
         processor needs it. allowed: the rows' allowed sets, packed (R, ceil(V / 32)) int32 (see
-        `pipeline.core.bits`), or None. describe(r): names row r in the error raised when its
-        allowed set is empty. groups: rows whose requests bring knobs of their own (None: every
+        `pipeline.core.bits`), or None. where(r): the handle of the request row r belongs to (None
+        where unknown) and a text naming the row, for the error raised when its allowed set is empty
+        (that request's fault). groups: rows whose requests bring knobs of their own (None: every
         row has the stage's)."""
         scores = logits
         needs = self.needs_input_ids or (groups is not None and any(
@@ -159,8 +164,10 @@ class TargetStage:
                 empty = ~allowed.numpy().any(-1) if allowed.device.type == "cpu" else ~(allowed != 0).any(-1).cpu().numpy()
             if empty is not None and empty.any():
                 r = int(empty.nonzero()[0][0])
-                raise UserError(f"no token is allowed at {describe(r) if describe else f'row {r}'}: "
-                                "the constraint cannot be continued; check it against the prompt")
+                handle, text = where(r) if where else (None, f"row {r}")
+                err = UserError(f"no token is allowed at {text}: the constraint cannot be continued; "
+                                "check it against the prompt")
+                raise err if handle is None else RequestFault([handle], err)
             out = Target(scores.float(), greedy, allowed)
             if out.greedy is not True:
                 out.scores  # sampling reads every row's masked distribution
@@ -179,15 +186,16 @@ class TargetStage:
             for r in g.rows:
                 greedy[r] = g.greedy
             own.difference_update(g.rows)
-            todo.append((g.rows, g.warpers))
-        todo.append((sorted(own), self.warpers))
+            todo.append((g.rows, g.warpers, g.owners))
+        todo.append((sorted(own), self.warpers, []))
         out = scores
-        for rows, warpers in todo:
+        for rows, warpers, owners in todo:
             if not rows or not warpers:
                 continue
             idx = torch.tensor(rows, device=scores.device)
             sub = scores[idx]  # (n, V)
-            for proc in warpers:
-                sub = proc(None if ids is None else [ids[r] for r in rows], sub)
+            with blame(*owners) if owners else contextlib.nullcontext():  # a request's own knobs fail it alone
+                for proc in warpers:
+                    sub = proc(None if ids is None else [ids[r] for r in rows], sub)
             out = (out.clone() if out is scores else out).index_copy_(0, idx, sub)
         return out, greedy

@@ -42,7 +42,7 @@ class DecodeState:
 class Generation:
     """One finished request."""
     token_ids: list[int] = field(default_factory=list)  # generated tokens (EOS included when it ended on it)
-    finish_reason: str = "length"  # eos | length | context | constraint_complete | abort (Runner.abort)
+    finish_reason: str = "length"  # eos | length | context | constraint_complete | abort (Runner.abort) | error
     accepted_lengths: list[int] = field(default_factory=list)  # tokens committed per target forward (prefill first)
     step_ms: list[float] = field(default_factory=list)  # wall time per step this request took part in
     step_nodes: list[int] = field(default_factory=list)  # its tree nodes per step (1 = plain step)
@@ -62,6 +62,8 @@ class Generation:
     # with Request.logprobs: per generated token (its log-probability, [(token, log-probability)] of the
     # k best), from the target distribution the step computed (log-softmax of the processed, masked scores)
     logprobs: list | None = None
+    error: str | None = None  # finish_reason "error": what failed (the request's own work; it failed alone)
+    fault: BaseException | None = field(default=None, repr=False, compare=False)  # ... and the exception
 
     @property
     def steps(self) -> int:
