@@ -7,6 +7,7 @@ import functools
 import inspect
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from hydra.errors import InstantiationException
@@ -53,43 +54,74 @@ def check_paths(cfg: DictConfig) -> None:
             raise UserError(f"{what} {key}={v} does not exist: fix the path (or drop the override)")
 
 
-# a request line's own constraint field -> (the conf/constraint file of its kind, the field it fills)
+# a request's own constraint field -> (the conf/constraint option of its kind, the argument it fills)
 REQUEST_CONSTRAINTS = {"json_schema": ("json_schema", "schema"), "regex": ("regex", "pattern"), "grammar": ("ebnf", "grammar")}
 
 
-def constraint_node(cfg: DictConfig, request: dict | None = None) -> DictConfig | None:
-    """The config node of a constraint: the configured one (`constraint=`), or for a request line that
-    brings its own (`"json_schema"`, `"regex"`, `"grammar"`) the node of that kind, with the
-    configured node's options when it is of the same kind (and its add_to_prompt in any case; with
-    none configured, `request_constraints_add_to_prompt`)."""
+@dataclass
+class ConstraintSpec:
+    """A constraint as plain data: its component's class and keyword arguments. A request's regex,
+    schema or grammar is one of those values as the client sent it: never put into a config node
+    (nothing in it is interpolated or resolved) and, with `inline`, never read as a file path (paths
+    come only from the configured `constraint=`)."""
+    target: str  # the component class, as conf/constraint/<option>.yaml names it
+    kwargs: dict  # its arguments but `backbone`, plain values
+
+    @property
+    def key(self) -> str:
+        """Equal for specs that build equal grammars (a compile cache's key)."""
+        return json.dumps([self.target, self.kwargs], sort_keys=True, default=str)
+
+    def check(self, where: str = "constraint") -> list[str]:
+        """An invalid regex, schema or grammar fails here, before the model loads, with the engine's
+        message. Returns the engine's warnings (what it only approximates)."""
+        try:
+            return list(get_class(self.target).check(**self.kwargs) or [])
+        except UserError as e:
+            raise UserError(f"{where}: {e}" if where != "constraint" else str(e)) from None
+
+    def build(self, backbone):
+        """The compiled grammar (a `Grammar`)."""
+        return get_class(self.target)(backbone=backbone, **self.kwargs)
+
+
+def _plain(node: DictConfig) -> ConstraintSpec:
+    """The spec of a constraint config node (the operator's: resolved as every config value is)."""
+    kwargs = OmegaConf.to_container(node, resolve=True)
+    return ConstraintSpec(kwargs.pop("_target_"), {k: v for k, v in kwargs.items() if not k.startswith("_")})
+
+
+@functools.lru_cache(maxsize=None)
+def _option(group: str) -> ConstraintSpec:
+    """conf/constraint/<group>.yaml's defaults (read once)."""
+    return _plain(OmegaConf.load(CONF_DIR / "constraint" / f"{group}.yaml"))
+
+
+def constraint_spec(cfg: DictConfig, request: dict | None = None) -> ConstraintSpec | None:
+    """The constraint of a request: the configured one (`constraint=`), or for a request that brings
+    its own (`"json_schema"`, `"regex"`, `"grammar"`: a request line's, or a server request's) the
+    option of that kind with the request's value, the configured node's options when it is of the
+    same kind (and its add_to_prompt in any case; with none configured,
+    `request_constraints_add_to_prompt`). The request's value is data, taken as text (`inline`)."""
     configured = cfg.get("constraint")
+    base = None if configured is None else _plain(configured)
     if not request:
-        return configured
+        return base
     if len(request) > 1:
-        raise UserError(f"a request line carries {' and '.join(request)}: give at most one constraint per request")
-    (field, spec), = request.items()
+        raise UserError(f"a request carries {' and '.join(request)}: give at most one constraint per request")
+    (field, value), = request.items()
     group, key = REQUEST_CONSTRAINTS[field]
-    node = OmegaConf.load(CONF_DIR / "constraint" / f"{group}.yaml")
-    if configured is not None and configured.get("_target_") == node.get("_target_"):
-        node = configured.copy()
+    option = _option(group)
+    if base is not None and base.target == option.target:
+        kwargs = dict(base.kwargs)
     else:
-        node.add_to_prompt = cfg.get("request_constraints_add_to_prompt", False) if configured is None \
-            else configured.get("add_to_prompt", False)
-    node[key] = spec if isinstance(spec, str) else json.dumps(spec)
-    return node
-
-
-def check_constraint(node: DictConfig | None, where: str = "constraint") -> list[str]:
-    """An invalid regex, schema or grammar fails here, before the model loads, with the engine's
-    message. Returns the engine's warnings (what it only approximates)."""
-    if node is None:
-        return []
-    cls = get_class(node._target_)
-    kwargs = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not k.startswith("_")}
-    try:
-        return list(cls.check(**kwargs) or [])
-    except UserError as e:
-        raise UserError(f"{where}: {e}" if where != "constraint" else str(e)) from None
+        kwargs = dict(option.kwargs)
+        kwargs["add_to_prompt"] = cfg.get("request_constraints_add_to_prompt", False) if base is None \
+            else base.kwargs.get("add_to_prompt", False)
+    kwargs[key] = value
+    if "inline" in inspect.signature(get_class(option.target)).parameters:
+        kwargs["inline"] = True
+    return ConstraintSpec(option.target, kwargs)
 
 
 def runner_class(cfg: DictConfig) -> type[Runner]:
@@ -127,8 +159,9 @@ def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -
     constraint out (the caller passes each request's)."""
     mnt, batch = positive_int(cfg.max_new_tokens, "max_new_tokens"), positive_int(cfg.batch_size, "batch_size")
     check_paths(cfg)
-    if with_constraint:
-        check_constraint(constraint_node(cfg))
+    configured = constraint_spec(cfg) if with_constraint else None
+    if configured is not None:
+        configured.check()
     cls = runner_class(cfg)
     if cfg.get("proposer") is not None and not cls.speculates:
         raise UserError(f"{cls.__name__} does not take a proposer: drop proposer= (or use decode=greedy for speculation)")
@@ -139,7 +172,7 @@ def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -
         print(notice, file=sys.stderr)
     parts = dict(model=backbone.model, kv=component(cfg.kv, backbone), sampler=component(cfg.sampler, backbone),
                  eos_ids=backbone.eos_ids, max_new_tokens=mnt, seed=int(cfg.seed), batch_size=batch,
-                 constraint=component(constraint_node(cfg), backbone) if with_constraint else None)
+                 constraint=None if configured is None else configured.build(backbone))
     drafts = build_drafts(cfg, backbone)
     if drafts and not cls.speculates:
         raise UserError(f"{cls.__name__} takes no drafts: drop drafts= (or serve a speculative runner)")

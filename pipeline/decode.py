@@ -15,8 +15,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.build import (build_engine, check_constraint, component, constraint_node, is_plain, preset_name,
-                            runner_class)
+from pipeline.build import ConstraintSpec, build_engine, constraint_spec, is_plain, preset_name, runner_class
 from pipeline.core import Engine, Generation, UserError
 from pipeline.core.runner import check_prompt
 from pipeline.errors import Interrupted
@@ -50,7 +49,7 @@ class _Run:
     keys: dict[str, str]  # request id -> request_key
     done: dict[str, dict]  # finished earlier: id -> item
     todo: list[int]  # the requests to decode now (indices into reqs)
-    nodes: dict  # request index -> its constraint node (or None)
+    constraints: dict  # request index -> its ConstraintSpec (or None)
     runner: object
     backbone: object
     grammar_cache: dict
@@ -85,14 +84,14 @@ def prepare(cfg: DictConfig, backbone=None) -> _Run:
     if cfg.get("verify_lossless") and not runner_class(cfg).plain:
         raise UserError("verify_lossless compares speculation with plain decoding; beam search has no plain "
                         "counterpart: drop verify_lossless=true")
-    nodes = request_constraints(cfg, reqs)  # an invalid regex/schema/grammar fails here too
+    constraints = request_constraints(cfg, reqs)  # an invalid regex/schema/grammar fails here too
     out = run_dir(cfg)
     keys = {r.id: request_key(cfg, r) for r in reqs}
     done = load_items(out / ITEMS, keys)
     todo = [k for k, r in enumerate(reqs) if r.id not in done]
     runner, backbone = build_engine(cfg, backbone, with_constraint=False)  # each request's is passed
     cache: dict = {}
-    grammars = build_grammars(backbone, nodes, todo, cache)
+    grammars = build_grammars(backbone, constraints, todo, cache)
     prompts = {k: encode(backbone.tokenizer, with_constraint_text(reqs[k], grammars[k]), bool(cfg.chat),
                          cfg.get("system_prompt")) for k in todo}
     for k, ids in prompts.items():
@@ -104,7 +103,7 @@ def prepare(cfg: DictConfig, backbone=None) -> _Run:
                         "hydra.run.dir")
     if done:
         print(f"resuming in {out}: {len(done)} of {len(reqs)} requests already finished", file=sys.stderr)
-    return _Run(cfg, preset_name(cfg), reqs, out, keys, done, todo, nodes, runner, backbone, cache, grammars, prompts)
+    return _Run(cfg, preset_name(cfg), reqs, out, keys, done, todo, constraints, runner, backbone, cache, grammars, prompts)
 
 
 def run_all(run: _Run, signals: Signals) -> tuple[dict[str, dict], float, bool]:
@@ -191,7 +190,7 @@ def write(run: _Run, fresh: dict[str, dict], wall: float, interrupted: bool) -> 
                   "paused by the speculation guard); ~guard always drafts", file=sys.stderr)
     if cfg.get("verify_lossless") and not interrupted:
         try:
-            summary.update(verify_lossless(runner, backbone, cfg, reqs, items, run.nodes, run.grammar_cache))
+            summary.update(verify_lossless(runner, backbone, cfg, reqs, items, run.constraints, run.grammar_cache))
         except KeyboardInterrupt:  # the decoding itself is complete: keep it, without a verdict
             interrupted = summary["interrupted"] = True
     results = {"decode": run.name, "plain": is_plain(cfg), "config": OmegaConf.to_container(cfg, resolve=True),
@@ -203,34 +202,33 @@ def write(run: _Run, fresh: dict[str, dict], wall: float, interrupted: bool) -> 
     return results, interrupted
 
 
-def request_constraints(cfg: DictConfig, reqs) -> dict[int, DictConfig | None]:
-    """Each request's constraint node (its own, else the configured one), every distinct one checked
-    now, before the model loads: an invalid regex, schema or grammar costs nothing."""
+def request_constraints(cfg: DictConfig, reqs) -> dict[int, ConstraintSpec | None]:
+    """Each request's constraint (its own, else the configured one), every distinct one checked
+    now, before the model loads: an invalid regex, schema or grammar costs nothing. A request line's
+    regex, schema or grammar is text, never a path."""
     out, checked = {}, set()
     use_own = cfg.get("request_constraints", True)
     for k, r in enumerate(reqs):
-        node = constraint_node(cfg, r.constraint if use_own else None)
-        key = None if node is None else OmegaConf.to_yaml(node)
-        if key is not None and key not in checked:
+        spec = constraint_spec(cfg, r.constraint if use_own else None)
+        if spec is not None and spec.key not in checked:
             where = f"request {r.id}" if r.constraint else "constraint"
-            for w in check_constraint(node, where):
+            for w in spec.check(where):
                 print(f"{where}: the constraint is approximated: {w}", file=sys.stderr)
-            checked.add(key)
-        out[k] = node
+            checked.add(spec.key)
+        out[k] = spec
     return out
 
 
-def build_grammars(backbone, nodes: dict, todo: list[int], made: dict | None = None) -> dict:
-    """Compiled grammars per request: one object per distinct constraint node (`made` caches them
-    by node across calls)."""
+def build_grammars(backbone, specs: dict, todo: list[int], made: dict | None = None) -> dict:
+    """Compiled grammars per request: one object per distinct constraint (`made` caches them by
+    `ConstraintSpec.key` across calls)."""
     made = {} if made is None else made
     out = {}
     for k in todo:
-        node = nodes[k]
-        key = None if node is None else OmegaConf.to_yaml(node)
-        if key is not None and key not in made:
-            made[key] = component(node, backbone)
-        out[k] = None if key is None else made[key]
+        spec = specs[k]
+        if spec is not None and spec.key not in made:
+            made[spec.key] = spec.build(backbone)
+        out[k] = None if spec is None else made[spec.key]
     return out
 
 
@@ -263,14 +261,14 @@ def speculation_policy(engine: Engine, name: str) -> dict | None:
     return out
 
 
-def verify_lossless(engine: Engine, backbone, cfg, reqs, items, nodes: dict, cache: dict) -> dict:
+def verify_lossless(engine: Engine, backbone, cfg, reqs, items, specs: dict, cache: dict) -> dict:
     """Re-run every request with plain decoding (same sampler, no proposer) and report the first
     divergence, if any, on the terminal and in the items."""
     plain = Engine(engine.model, engine.kv, engine.sampler, list(engine.eos_ids), engine.max_new_tokens,
                    seed=engine.seed, batch_size=engine.batch_size, constraint=engine.constraint)
     index = {r.id: k for k, r in enumerate(reqs)}
     ks = [index[it["id"]] for it in items]
-    grammars = build_grammars(backbone, nodes, ks, cache)
+    grammars = build_grammars(backbone, specs, ks, cache)
     prompts = [encode(backbone.tokenizer, with_constraint_text(reqs[k], grammars[k]), bool(cfg.chat),
                       cfg.get("system_prompt")) for k in ks]
     ref, _ = run_requests(plain, prompts, [int(cfg.seed) + k for k in ks], grammars=[grammars[k] for k in ks])

@@ -17,7 +17,10 @@ from pipeline.server.app import build_server
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     threads.configure(cfg)
-    build_server(cfg).run()
+    server = build_server(cfg)
+    server.run()
+    if server.exit_code:  # a drain cut short, or the engine thread died: a supervisor restarts it
+        sys.exit(server.exit_code)
 
 
 if __name__ == "__main__":

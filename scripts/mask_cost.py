@@ -18,12 +18,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from hydra.utils import get_class
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from components.model.load import from_pretrained_tokenizer  # noqa: E402
-from pipeline.build import constraint_node  # noqa: E402
+from pipeline.build import constraint_spec  # noqa: E402
 from pipeline.cli import compose_config, composing  # noqa: E402
 from pipeline.core import Target  # noqa: E402
 from pipeline.core.bits import words  # noqa: E402
@@ -45,11 +44,10 @@ def main() -> None:
     fills, full, greedy = [], [], []
     g = torch.Generator().manual_seed(0)
     for item in results["items"]:
-        node = constraint_node(cfg, reqs[item["id"]].constraint)
-        if node is None:
+        spec = constraint_spec(cfg, reqs[item["id"]].constraint)
+        if spec is None:
             continue
-        kwargs = {k: v for k, v in node.items() if not str(k).startswith("_")}
-        state = get_class(node._target_)(bb, **kwargs).start()
+        state = spec.build(bb).start()
         bits = torch.zeros(1, words(vocab), dtype=torch.int32)
         for t in item["token_ids"]:
             if t in bb.eos_ids:

@@ -249,10 +249,10 @@ def test_self_spec_layers_default_to_every_second_block_of_the_backbone(tiny_bac
 def test_request_constraints_add_to_prompt_with_no_constraint_configured():
     """With constraint=null a request line's own constraint takes its add_to_prompt from
     `request_constraints_add_to_prompt`; a configured constraint of another kind lends its own."""
-    from pipeline.build import constraint_node
+    from pipeline.build import constraint_spec
     request = {"regex": "[a-z]+"}
-    assert constraint_node(compose_config(["model=tiny"]), request).add_to_prompt is False
-    node = constraint_node(compose_config(["model=tiny", "request_constraints_add_to_prompt=true"]), request)
-    assert node.add_to_prompt is True and node.pattern == "[a-z]+"
-    node = constraint_node(compose_config(["model=tiny", "constraint=json_schema", "constraint.add_to_prompt=true"]), request)
-    assert node.add_to_prompt is True and node._target_.endswith("Regex")
+    assert constraint_spec(compose_config(["model=tiny"]), request).kwargs["add_to_prompt"] is False
+    spec = constraint_spec(compose_config(["model=tiny", "request_constraints_add_to_prompt=true"]), request)
+    assert spec.kwargs["add_to_prompt"] is True and spec.kwargs["pattern"] == "[a-z]+"
+    spec = constraint_spec(compose_config(["model=tiny", "constraint=json_schema", "constraint.add_to_prompt=true"]), request)
+    assert spec.kwargs["add_to_prompt"] is True and spec.target.endswith("Regex")

@@ -30,6 +30,7 @@ from pipeline.core import Constraint, Grammar, UserError
 from pipeline.core.bits import allows, pack, unpack, words
 
 VERSION = "0.2.9"
+CACHE_BYTES = 64 << 20  # XGrammar's own cache of compiled grammars, bounded (a server sees many distinct ones)
 
 
 def _xgr():
@@ -82,7 +83,8 @@ def _compiler(backbone):
         allowed[[t for t in banned - set(backbone.eos_ids) if t < vocab]] = False
         eos = torch.zeros(vocab, dtype=torch.bool)
         eos[list(backbone.eos_ids)] = True
-        _COMPILERS[key] = (xgr.GrammarCompiler(info, max_threads=2), pack(allowed), pack(eos), tok)
+        compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=CACHE_BYTES)
+        _COMPILERS[key] = (compiler, pack(allowed), pack(eos), tok)
     return _COMPILERS[key]
 
 
@@ -283,8 +285,11 @@ class JSONMatcher(Matcher):
         bits.copy_(pack((allowed & (cost == cost.min()))[None])[0])
 
 
-def _read(value, what: str, suffixes: tuple[str, ...]) -> str:
-    """An inline value or the path of a file holding it."""
+def _read(value, what: str, suffixes: tuple[str, ...], inline: bool = False) -> str:
+    """An inline value or the path of a file holding it (a config's). inline: the value is the text
+    itself, never opened as a path (a request's: what a client sends is data)."""
+    if inline:
+        return value
     if isinstance(value, str) and (value.endswith(suffixes) or "\n" not in value and len(value) < 4096):
         path = Path(value).expanduser()
         try:
@@ -297,15 +302,16 @@ def _read(value, what: str, suffixes: tuple[str, ...]) -> str:
     return value
 
 
-def schema_text(schema) -> str:
-    """A schema given as a dict (a request line, a config mapping), a JSON string or a file path."""
+def schema_text(schema, inline: bool = False) -> str:
+    """A schema given as a dict (a request line, a config mapping), a JSON string or (unless
+    `inline`) a file path."""
     if schema is None:
         raise UserError("constraint=json_schema needs a schema: constraint.schema=<file.json> or a request "
                         'line with "json_schema": {...}')
     if not isinstance(schema, str):
         schema = OmegaConf.to_container(schema, resolve=True) if OmegaConf.is_config(schema) else schema
         return json.dumps(schema)
-    text = _read(schema, "schema", (".json",))
+    text = _read(schema, "schema", (".json",), inline)
     try:
         json.loads(text)
     except json.JSONDecodeError as e:
@@ -320,19 +326,20 @@ class JSONSchema(XGrammarConstraint):
     `strict_mode` forbids properties and items the schema does not name. `close_margin`: in the last
     that many tokens of max_new_tokens, where a token that closes a string, array or object (or EOS)
     is allowed, only those are (the engine's closing margin): an output that would loop past the
-    budget ends as JSON instead of being cut off. 0 turns it off (the masked distribution throughout)."""
+    budget ends as JSON instead of being cut off. 0 turns it off (the masked distribution throughout).
+    `inline`: a schema string is the schema itself, never a path (a request's)."""
     kind = "json_schema"
 
     def __init__(self, backbone, schema=None, any_whitespace: bool = False, indent: int | None = None,
                  strict_mode: bool = True, add_to_prompt: bool = False, close_margin: int = 0,
-                 approximate: bool = True):
-        self.schema = schema_text(schema)
+                 approximate: bool = True, inline: bool = False):
+        self.schema = schema_text(schema, inline)
         self.options = dict(any_whitespace=bool(any_whitespace), indent=indent, strict_mode=bool(strict_mode))
         if not isinstance(close_margin, int) or isinstance(close_margin, bool) or close_margin < 0:
             raise UserError(f"constraint.close_margin must be an int >= 0, got {close_margin!r}")
         self.close_margin = close_margin
         if not approximate:  # `check` refused it before the model loaded on the CLI; here for direct use
-            self.check(schema, any_whitespace, indent, strict_mode, approximate=False)
+            self.check(self.schema, any_whitespace, indent, strict_mode, approximate=False, inline=True)
         super().__init__(backbone, add_to_prompt)
         self.scan = _json_scan(backbone) if close_margin else None
 
@@ -342,12 +349,12 @@ class JSONSchema(XGrammarConstraint):
 
     @classmethod
     def check(cls, schema=None, any_whitespace: bool = False, indent: int | None = None, strict_mode: bool = True,
-              approximate: bool = True, **_) -> list[str]:
+              approximate: bool = True, inline: bool = False, **_) -> list[str]:
         """Raises UserError for a schema XGrammar refuses; returns what it only approximates (its own
         warnings, e.g. oneOf as anyOf, minLength next to a pattern, and the deviations `lint` finds).
         approximate=False refuses those schemas too, with the first reason."""
         xgr = _xgr()
-        text = schema_text(schema)
+        text = schema_text(schema, inline)
         try:
             warnings = quiet(lambda: xgr.Grammar.from_json_schema(text, any_whitespace=bool(any_whitespace),
                                                                   indent=indent, strict_mode=bool(strict_mode)))[1]
@@ -396,24 +403,25 @@ class Regex(XGrammarConstraint):
 
 class EBNF(XGrammarConstraint):
     """Text in the language of a context-free grammar in XGrammar's EBNF (GBNF-like: `root ::= ...`),
-    given inline or as a file (.ebnf / .gbnf)."""
+    given inline or as a file (.ebnf / .gbnf; `inline`: never a file, a request's grammar)."""
     kind = "ebnf"
 
-    def __init__(self, backbone, grammar: str | None = None, root: str = "root", add_to_prompt: bool = False):
-        self.grammar, self.root = self._grammar(grammar), root
+    def __init__(self, backbone, grammar: str | None = None, root: str = "root", add_to_prompt: bool = False,
+                 inline: bool = False):
+        self.grammar, self.root = self._grammar(grammar, inline), root
         super().__init__(backbone, add_to_prompt)
 
     @staticmethod
-    def _grammar(grammar) -> str:
+    def _grammar(grammar, inline: bool = False) -> str:
         if not isinstance(grammar, str) or not grammar.strip():
             raise UserError(f"constraint=ebnf needs a grammar: constraint.grammar=<file.ebnf> or the rules inline "
                             f"(got {grammar!r})")
-        return _read(grammar, "grammar", (".ebnf", ".gbnf"))
+        return _read(grammar, "grammar", (".ebnf", ".gbnf"), inline)
 
     @classmethod
-    def check(cls, grammar=None, root: str = "root", **_) -> list[str]:
+    def check(cls, grammar=None, root: str = "root", inline: bool = False, **_) -> list[str]:
         xgr = _xgr()
-        text = cls._grammar(grammar)
+        text = cls._grammar(grammar, inline)
         try:
             return quiet(lambda: xgr.Grammar.from_ebnf(text, root_rule_name=root))[1]
         except (RuntimeError, ValueError) as e:

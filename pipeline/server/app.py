@@ -1,16 +1,20 @@
-"""The HTTP side: FastAPI routes on uvicorn, each request checked (openai_api, admit) before it
-reaches the engine thread (loop), its tokens detokenised as they come (pipeline.streaming), cut at
-its stop strings, and answered whole or as server-sent events; Prometheus metrics; a uvicorn
-server whose SIGTERM drains (stops admitting, finishes what is in flight, exits 0).
+"""The HTTP side: FastAPI routes on uvicorn behind the gate (gate.py: host, origin, key, body size),
+each request checked (openai_api, admit: parsed, compiled and tokenized off the event loop) before
+it reaches the engine thread (loop), its tokens detokenised as they come (pipeline.streaming), cut
+at its stop strings, and answered whole or as server-sent events; Prometheus metrics; a uvicorn
+server whose SIGTERM drains within `shutdown_timeout` (stops admitting, finishes what is in flight,
+exits 0; past the deadline or at a second signal, aborts what is left and exits 1) and which exits
+1 if the engine thread dies.
 
-One module (~360 lines): the routes, their streaming and the drain share the request records and
-the metrics registry; the wire format is openai_api.py, the engine thread loop.py.
+The routes, their streaming and the drain share the request records and the metrics registry; the
+wire format is openai_api.py, the engine thread loop.py.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -19,18 +23,20 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
-from pipeline.build import build_engine, check_constraint, component_choice, constraint_node
+from pipeline.build import build_engine, component_choice, constraint_spec
 from pipeline.core import UserError
 from pipeline.metrics import depth_acceptance
 from pipeline.server.admit import Admitter
+from pipeline.server.gate import Gate, is_loopback
 from pipeline.server.loop import EngineLoop, Job, Refused
 from pipeline.server.page import add_page
-from pipeline.server.openai_api import (FINISH, Answer, APIError, Spec, chunk, completion, logprobs_object, read_body,
-                                        read_spec, response_id, sse, usage)
+from pipeline.server.openai_api import (FINISH, Answer, APIError, Limits, Spec, chunk, completion, logprobs_object,
+                                        read_body, read_spec, request_schema, response_id, sse, usage)
 from pipeline.streaming import TextStream
 from pipeline.threads import StepThreads
 
@@ -145,19 +151,24 @@ class Service:
         self.metrics = Metrics()
         self.engine = EngineLoop(runner, max_queue, self.metrics, step_threads(cfg, backbone))
         self.admitter = Admitter(cfg, backbone)
+        context = backbone.model.args.max_seq_len
+        self.limits = Limits(context - 1, _count(cfg, "max_json_depth", 64), _count(cfg, "max_constraint_bytes", 65536))
         self.created = int(time.time())
 
     def error(self, e: APIError, endpoint: str, outcome: str = "rejected") -> JSONResponse:
         self.metrics.requests.labels(endpoint, outcome).inc()
         return JSONResponse(e.body(), e.status, headers=e.headers)
 
+    def read(self, raw: bytes, kind: str) -> Spec:
+        """The checked request of a body (blocking: off the event loop)."""
+        return read_spec(read_body(raw, self.limits.json_depth), kind, self.models, self.limits)
+
     async def answer(self, request: Request, kind: str) -> Response:
         endpoint = request.url.path
         try:
-            spec = read_spec(read_body(await request.body()), kind, self.models)
-            node = self.admitter.constraint(spec)
-            grammar = None if node is None else await asyncio.to_thread(self.admitter.grammar, spec, node)
-            req, prompt_tokens = self.admitter.to_engine(spec, grammar)
+            spec = await asyncio.to_thread(self.read, await request.body(), kind)
+            grammar = await self.admitter.grammar(spec)
+            req, prompt_tokens = await asyncio.to_thread(self.admitter.to_engine, spec, grammar)
             loop = asyncio.get_running_loop()
             jobs = [Job(req, loop)]
             for i in range(1, spec.n):  # choice i: the same request seeded seed + i, forking the first's prompt
@@ -226,9 +237,9 @@ class Choice:
                 self._outcome("abort")
                 yield Piece(stops.flush(), [], None, "abort", speculation([self.record]))
                 return
-            else:
+            else:  # its own failure, or the engine's (loop.Failure)
                 self._outcome("error")
-                raise APIError(500, payload, None, "engine_error")
+                raise APIError(payload.status, payload.message, None, payload.code)
 
     def _logprobs(self, step, n: int, offset: int) -> dict | None:
         """The wire's logprobs object of the first n tokens of an engine step."""
@@ -321,7 +332,7 @@ class Output:
             answers = work.result()
         except APIError as e:
             self.close()
-            return JSONResponse(e.body(), e.status)
+            return JSONResponse(e.body(), e.status, headers=e.headers)
         return JSONResponse(completion(self.spec, self.rid, answers, self.prompt_tokens,
                                        speculation([c.record for c in self.choices])))
 
@@ -386,19 +397,28 @@ def create_app(service: Service) -> FastAPI:
                                             "owned_by": "pipeline", "root": service.model, "draft": draft}
                                            for name, draft in service.models.items()]}
 
-    @app.post("/v1/chat/completions")
+    def body(kind: str) -> dict:  # the request body's schema in the OpenAPI document (what the fuzz test draws from)
+        return {"requestBody": {"required": True, "content": {"application/json": {
+            "schema": request_schema(kind, list(service.models), service.limits)}}}}
+
+    @app.post("/v1/chat/completions", openapi_extra=body("chat"))
     async def chat(request: Request):
         return await service.answer(request, "chat")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body("completion"))
     async def completions(request: Request):
         return await service.answer(request, "completion")
 
     @app.get("/health")
     async def health():
+        """ok; degraded (200) while the latest step failed as the model's failure; draining or
+        engine stopped (503)."""
         engine = service.engine
-        status = "draining" if engine.draining else "ok" if engine.alive else "engine stopped"
-        return JSONResponse({"status": status}, 200 if status == "ok" else 503)
+        status = "draining" if engine.draining else "engine stopped" if not engine.alive else \
+            "degraded" if engine.degraded else "ok"
+        return JSONResponse({"status": status, "failed_steps": engine.failed_steps, "last_failure": engine.last_failure,
+                             **({"engine_error": engine.failure} if engine.failure else {})},
+                            200 if status in ("ok", "degraded") else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -409,26 +429,49 @@ def create_app(service: Service) -> FastAPI:
 
 
 class Server(uvicorn.Server):
-    """uvicorn, with a SIGTERM / Ctrl-C that drains: new requests get 503, what is in flight
-    finishes, then the server exits 0. A second signal aborts what is left (finish_reason "abort")."""
+    """uvicorn, with a SIGTERM / Ctrl-C that drains: new requests get 503 and what is in flight
+    finishes, then the server exits 0. Past `shutdown_timeout` seconds, or at a second signal, what
+    is left is aborted (finish_reason "abort") and the server exits 1 (at once, for a second signal).
+    If the engine thread dies, the server exits 1 (`exit_code`), for a supervisor to restart it."""
 
-    def __init__(self, config: uvicorn.Config, service: Service):
+    def __init__(self, config: uvicorn.Config, service: Service, shutdown_timeout: float):
         super().__init__(config)
-        self.service = service
+        self.service, self.shutdown_timeout = service, shutdown_timeout
+        self.deadline: float | None = None  # when a drain gives up
+        self.exit_code = 0
 
     def handle_exit(self, sig, frame) -> None:  # uvicorn's re-raises the signal at exit: not here
         engine = self.service.engine
         if engine.draining:
-            engine.abort_all()
+            print(f"second signal: aborting {engine.inflight} requests, exiting now", file=sys.stderr, flush=True)
+            self._abort()
+            self.should_exit = self.force_exit = True
         else:
-            print(f"draining: {engine.inflight} requests in flight, new ones refused (again to abort them)",
-                  file=sys.stderr, flush=True)
+            print(f"draining: {engine.inflight} requests in flight, new ones refused (within {self.shutdown_timeout:g} "
+                  "s; again to exit at once)", file=sys.stderr, flush=True)
             engine.drain()
+            self.deadline = time.monotonic() + self.shutdown_timeout
+
+    def _abort(self) -> None:
+        if self.service.engine.inflight:
+            self.service.engine.abort_all()
+            self.exit_code = 1
 
     async def on_tick(self, counter: int) -> bool:
         engine = self.service.engine
-        if engine.draining and engine.inflight == 0:
-            self.should_exit = True
+        if engine.failure is not None and not self.should_exit:
+            print(f"the engine thread died ({engine.failure}): exiting 1 for a restart", file=sys.stderr, flush=True)
+            self.exit_code, self.should_exit = 1, True
+            self.config.timeout_graceful_shutdown = 5  # the failed requests' answers go out, then exit
+        if self.deadline is not None and not self.should_exit:
+            left = self.deadline - time.monotonic()
+            if left <= 0 and engine.inflight:
+                print(f"drain deadline ({self.shutdown_timeout:g} s): aborting {engine.inflight} requests",
+                      file=sys.stderr, flush=True)
+                self._abort()
+            if engine.inflight == 0:
+                self.config.timeout_graceful_shutdown = max(1.0, left)  # clients that stop reading: not forever
+                self.should_exit = True
         return await super().on_tick(counter)
 
     async def startup(self, sockets=None) -> None:
@@ -439,24 +482,75 @@ class Server(uvicorn.Server):
                   file=sys.stderr, flush=True)
 
 
+def _count(cfg: DictConfig, key: str, default: int) -> int:
+    v = cfg.get(key, default)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise UserError(f"{key} must be a positive int, got {v!r}")
+    return v
+
+
+def _names(cfg: DictConfig, key: str) -> list[str]:
+    v = cfg.get(key) or []
+    v = OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+        raise UserError(f"{key} must be a list of strings, got {v!r}")
+    return v
+
+
+def api_key(cfg: DictConfig) -> str | None:
+    """The key clients must send: `api_key`, or the environment variable `api_key_env` names (read
+    here, at start); None: no key."""
+    key, env = cfg.get("api_key"), cfg.get("api_key_env")
+    if key is not None and env is not None:
+        raise UserError("give api_key or api_key_env, not both")
+    if env is not None:
+        key = os.environ.get(str(env))
+        if not key:
+            raise UserError(f"api_key_env={env}: the environment variable {env} is not set (or empty)")
+    if key is not None and (not isinstance(key, str) or not key.strip() or key != key.strip()):
+        raise UserError("api_key must be a non-empty string without surrounding spaces")
+    return key
+
+
+def gated(app: FastAPI, cfg: DictConfig):
+    """The app behind the gate (and CORS, when cors_origins opens it)."""
+    key, origins = api_key(cfg), _names(cfg, "cors_origins")
+    loopback = is_loopback(str(cfg.host))
+    if not loopback and key is None:
+        print(f"warning: serving on {cfg.host} without an API key: whoever reaches the port may call it "
+              "(api_key= or api_key_env=)", file=sys.stderr)
+    asgi = Gate(app, loopback=loopback, allowed_hosts=_names(cfg, "allowed_hosts"), cors_origins=origins,
+                api_key=key, public_routes=_names(cfg, "public_routes"),
+                max_body_bytes=_count(cfg, "max_body_bytes", 1 << 20))
+    if origins:
+        asgi = CORSMiddleware(asgi, allow_origins=origins, allow_methods=["GET", "POST"],
+                              allow_headers=["Authorization", "Content-Type"])
+    return asgi
+
+
 def build_server(cfg: DictConfig, backbone=None) -> Server:
     """The server for a composed serve config: the runner built (build_engine checks the config;
     `backbone`: one already loaded), the configured constraint checked, a short warm-up request,
-    and the app on uvicorn."""
+    and the app on uvicorn behind the gate."""
     for key in ("input", "prompt"):
         if cfg.get(key) is not None:
             raise UserError(f"the server takes its prompts over HTTP: drop {key}=")
     port = cfg.get("port")
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise UserError(f"port must be an int in 0..65535 (0: any free port), got {port!r}")
-    check_constraint(constraint_node(cfg))
-    runner, backbone = build_engine(cfg, backbone, with_constraint=False)  # each request's constraint is passed
+    timeout = cfg.get("shutdown_timeout", 30)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
+        raise UserError(f"shutdown_timeout must be a number of seconds >= 0, got {timeout!r}")
+    configured = constraint_spec(cfg)
+    if configured is not None:
+        configured.check()
+    runner, backbone = build_engine(cfg, backbone, with_constraint=False)  # each request's is passed
     if cfg.get("warmup", True):  # first-call costs (allocation, MKL set-up) stay out of the first request
         runner.run([backbone.tokenizer.encode("Hello", add_special_tokens=False)],
                    max_new_tokens=min(4, runner.max_new_tokens))
         runner.reset()  # the guard measures served requests only
     model = cfg.get("served_model_name") or component_choice("model", cfg.model)
     service = Service(cfg, runner, backbone, str(model), cfg.max_queue)
-    config = uvicorn.Config(create_app(service), host=str(cfg.host), port=port, log_level="warning",
-                            access_log=False, lifespan="on")
-    return Server(config, service)
+    config = uvicorn.Config(gated(create_app(service), cfg), host=str(cfg.host), port=port, log_level="warning", access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=max(1.0, float(timeout)))
+    return Server(config, service, float(timeout))

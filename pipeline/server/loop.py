@@ -3,9 +3,15 @@ takes commands from a thread-safe inbox (add, abort, abort everything, stop); wh
 on the inbox. It never waits on the network: committed tokens, finished generations and failures
 are posted to each request's asyncio queue with `loop.call_soon_threadsafe`.
 
-A failure inside a step fails the requests of that step (the live ones and those joining), each
-told with an "error" event, their memory returned; requests still waiting stay queued and the
-thread goes on serving."""
+A request whose own work fails (its constraint, its sampling knobs, its seed) fails alone: the
+runner redoes the step without it (`pipeline.core.faults`) and it gets an "error" event. A failure
+of the model itself (every request of the step failed, or the step raised outside the runner's
+isolation) fails the step's requests, is counted (`failed_steps`) and shown by /health
+(`degraded` until a step succeeds); requests still waiting stay queued and the thread goes on.
+
+If the thread itself ever dies, it says so first: every request in flight or in its inbox ends with
+an error, new requests are refused (503), /health answers 503, and `failure` holds why (the server
+then exits non-zero, for its supervisor to restart it)."""
 from __future__ import annotations
 
 import asyncio
@@ -33,7 +39,7 @@ class Refused(Exception):
 class Job:
     """One request (one choice of an HTTP request) between the HTTP side and the engine thread.
     `events` receives, in order, ("tokens", Step) per step, then one of ("done", Generation),
-    ("aborted", None) or ("error", message)."""
+    ("aborted", None) or ("error", Failure)."""
     request: Request
     loop: asyncio.AbstractEventLoop
     sibling: "Job | None" = None  # the first choice of its HTTP request (n > 1): its prompt KV is forked
@@ -47,6 +53,15 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+
+@dataclass
+class Failure:
+    """Why a request failed: an HTTP status (400: its own input, found late; 500: the server's), a
+    message and an OpenAI error code."""
+    status: int
+    message: str
+    code: str = "request_failed"
 
 
 @dataclass
@@ -72,6 +87,10 @@ class EngineLoop:
         self.inflight = 0  # admitted and not over
         self.waiting = 0  # admitted and not yet joined a step: the queue depth
         self.draining = False
+        self.failure: str | None = None  # why the thread died (None while it lives)
+        self.failed_steps = 0  # steps that failed as the model's failure
+        self.last_failure: dict | None = None  # the latest of those: {"time", "error"}
+        self.degraded = False  # the latest step failed as the model's failure
         self._stop = False
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
         runner.on_tokens = self._on_tokens
@@ -83,6 +102,8 @@ class EngineLoop:
     def submit(self, jobs: list[Job]) -> None:
         """Admit the jobs of one HTTP request (its choices), all or none, or raise Refused."""
         with self._lock:
+            if self.failure is not None:
+                raise Refused(503, "the engine stopped: the server is restarting")
             if self.draining:
                 raise Refused(503, "the server is shutting down: retry on another instance")
             if self.inflight + len(jobs) > self.runner.batch_size + self.max_queue:  # every slot taken, max_queue waiting
@@ -117,18 +138,39 @@ class EngineLoop:
 
     # --- the engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
-        with torch.inference_mode():
-            while not self._stop:
-                if not self.runner.has_work:
-                    self._command(*self.inbox.get())  # idle: sleep until something comes
+        try:
+            with torch.inference_mode():
                 while not self._stop:
-                    try:
-                        self._command(*self.inbox.get_nowait())
-                    except queue.Empty:
-                        break
-                if self.runner.has_work and not self._stop:
-                    self._step()
-            self._abort_all()
+                    if not self.runner.has_work:
+                        self._command(*self.inbox.get())  # idle: sleep until something comes
+                    while not self._stop:
+                        try:
+                            self._command(*self.inbox.get_nowait())
+                        except queue.Empty:
+                            break
+                    if self.runner.has_work and not self._stop:
+                        self._step()
+                self._abort_all()
+        except BaseException as e:  # noqa: BLE001 - the thread never dies silently
+            self._die(e)
+
+    def _die(self, e: BaseException) -> None:
+        """The thread's last act: refuse new requests, end every request it holds or was sent."""
+        with self._lock:
+            self.failure = f"{type(e).__name__}: {e}"
+        print(f"engine: the engine thread died ({self.failure}); ending every request", file=sys.stderr)
+        traceback.print_exception(e, file=sys.stderr)
+        failure = Failure(500, f"the engine stopped ({self.failure}): retry shortly", "engine_error")
+        for job in list(self.jobs.values()):
+            self._drop(job, ("error", failure))
+        while True:
+            try:
+                what, job = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if what == "add":
+                self._end(job, ("error", failure))
+        self._publish()
 
     def _command(self, what: str, job: Job | None) -> None:
         if what == "add":
@@ -136,8 +178,8 @@ class EngineLoop:
                 job.request.sibling_of = job.sibling.handle
             try:
                 job.handle = self.runner.add(job.request)
-            except UserError as e:  # the HTTP side checks first: this is a bug there, said as an error
-                self._end(job, ("error", str(e)))
+            except Exception as e:  # noqa: BLE001 - the HTTP side checks first: this one request fails alone
+                self._end(job, ("error", _failure(e)))
                 return
             self.jobs[job.handle] = job
             self.pending.append(job)
@@ -169,9 +211,30 @@ class EngineLoop:
             self.threads.record(live, n, seconds)
         if self.metrics is not None:
             self.metrics.step_seconds.observe(seconds)
+        if self.runner.step_failure is not None:
+            self._failed_step(self.runner.step_failure)
+        else:
+            self.degraded = False
         for handle, gen in finished:
-            self._drop(self.jobs[handle], ("done", gen))
+            job = self.jobs.get(handle)
+            if job is None:
+                continue
+            if gen.finish_reason == "error":
+                if not isinstance(gen.fault, UserError):
+                    print(f"engine: request {handle} failed alone: {gen.error}", file=sys.stderr)
+                    traceback.print_exception(gen.fault, file=sys.stderr)
+                self._drop(job, ("error", _failure(gen.fault)))
+            else:
+                self._drop(job, ("done", gen))
         self._publish()
+
+    def _failed_step(self, e: BaseException) -> None:
+        """A step failed as the model's failure: counted, and shown by /health."""
+        self.failed_steps += 1
+        self.degraded = True
+        self.last_failure = {"time": time.time(), "error": f"{type(e).__name__}: {e}"}
+        if self.metrics is not None:
+            self.metrics.failed_steps.inc()
 
     def _fail(self, e: Exception) -> None:
         """Fail every request of the failed step: all the runner holds but those still queued (the
@@ -179,11 +242,11 @@ class EngineLoop:
         print(f"engine: a step failed, failing its requests: {type(e).__name__}: {e}", file=sys.stderr)
         traceback.print_exc(file=sys.stderr)
         queued = self.pending[len(self.pending) - self.runner.queued:] if self.runner.queued else []
+        failure = Failure(500, f"the engine failed in a step ({type(e).__name__}: {e})", "engine_error")
         for job in [j for j in self.jobs.values() if j not in queued]:
             self.runner.abort(job.handle)
-            self._drop(job, ("error", f"the engine failed in a step ({type(e).__name__}: {e})"))
-        if self.metrics is not None:
-            self.metrics.failed_steps.inc()
+            self._drop(job, ("error", failure))
+        self._failed_step(e)
         self._publish()
 
     def _abort_all(self) -> None:
@@ -225,3 +288,11 @@ class EngineLoop:
         """The engine's state, as /metrics shows it (read here, between steps, never mid-step)."""
         if self.metrics is not None:
             self.metrics.publish(self.runner, self.waiting)
+
+
+def _failure(e: BaseException | None) -> Failure:
+    """A request's own failure: a 400 where its input was at fault (a UserError: a constraint that
+    cannot be continued, ...), else a 500."""
+    if isinstance(e, UserError):
+        return Failure(400, str(e))
+    return Failure(500, f"the request failed in the engine ({type(e).__name__}: {e})")

@@ -4,16 +4,19 @@ with a 400 that names it), OpenAI-style error objects, and the response and chun
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from pipeline.core.runner import SEED_RANGE
 from pipeline.requests import ROLES, Request
 
 # the engine's finish reasons -> OpenAI's; "abort": ended by a forced shutdown (vLLM's name)
 FINISH = {"eos": "stop", "constraint_complete": "stop", "length": "length", "context": "length", "stop": "stop",
           "abort": "abort"}
 MAX_STOPS = 4  # OpenAI's limit on stop strings
+MAX_STOP_CHARS = 256  # characters in one stop string
 MAX_N = 16  # choices per request (each a sequence of the batch)
 MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}  # OpenAI's limits
 # fields that change nothing in what is generated, accepted as OpenAI accepts them
@@ -26,14 +29,15 @@ FIELDS = {"chat": COMMON | INERT | {"messages", "max_completion_tokens", "top_lo
 
 class APIError(Exception):
     """An error answered as OpenAI does: `{"error": {"message", "type", "param", "code"}}`."""
-    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
              500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after: int | None = None):
+                 retry_after: int | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = {} if retry_after is None else {"Retry-After": str(retry_after)}
+        self.headers = {**(headers or {}), **({} if retry_after is None else {"Retry-After": str(retry_after)})}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
@@ -65,33 +69,69 @@ class Spec:
     draft: str | None = None  # ... and the draft it names (None: the preset's own)
 
 
-def read_body(raw: bytes) -> dict:
+def read_body(raw: bytes, max_depth: int) -> dict:
+    """A request body: one JSON object nested at most `max_depth` deep. NaN and Infinity parse (as
+    Python's json does) and are refused by the field that holds them (`check_values`)."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the body is not valid JSON ({e}): send one JSON object", None, "invalid_json") from None
+    except RecursionError:
+        raise APIError(400, f"the body nests too deep: at most {max_depth} levels", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}", None, "invalid_json")
+    check_values(body, max_depth)
     return body
 
 
-def _int(body: dict, key: str, low: int) -> int | None:
+def check_values(body: dict, max_depth: int) -> None:
+    """Every value of the body nested at most max_depth deep and every number finite (a JSON schema's
+    too): else a 400 naming the top-level field that holds it."""
+    for key, value in body.items():
+        todo = [(value, 2)]
+        while todo:
+            v, depth = todo.pop()
+            if depth > max_depth:
+                raise bad(key, f"nests too deep: a body holds at most {max_depth} levels")
+            if isinstance(v, float) and not math.isfinite(v):
+                raise bad(key, f"holds {v!r}: numbers must be finite")
+            if isinstance(v, dict):
+                todo += [(x, depth + 1) for x in v.values()]
+            elif isinstance(v, list):
+                todo += [(x, depth + 1) for x in v]
+
+
+def _int(body: dict, key: str, low: int, high: int | None = None) -> int | None:
     v = body.get(key)
     if v is None:
         return None
-    if not isinstance(v, int) or isinstance(v, bool) or v < low:
-        raise bad(key, f"must be an integer >= {low}, got {v!r}")
+    if not isinstance(v, int) or isinstance(v, bool) or v < low or (high is not None and v > high):
+        span = f">= {low}" if high is None else f"in {low}..{high}"
+        raise bad(key, f"must be an integer {span}, got {_short(v)}")
     return v
+
+
+def _short(v) -> str:
+    """A value as an error message quotes it: its repr, cut at 60 characters."""
+    text = repr(v)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _finite(v) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _number(body: dict, key: str, low: float, high: float | None = None, open_low: bool = False) -> float | None:
     v = body.get(key)
     if v is None:
         return None
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or v < low or (open_low and v == low) or \
-            (high is not None and v > high):
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not _finite(v) or v < low or \
+            (open_low and v == low) or (high is not None and v > high):
         span = f"{'>' if open_low else '>='} {low}" + ("" if high is None else f" and <= {high}")
-        raise bad(key, f"must be a number {span}, got {v!r}")
+        raise bad(key, f"must be a finite number {span}, got {_short(v)}")
     return float(v)
 
 
@@ -100,7 +140,7 @@ def _flag(body: dict, key: str) -> bool:
     if v is None:
         return False
     if not isinstance(v, bool):
-        raise bad(key, f"must be true or false, got {v!r}")
+        raise bad(key, f"must be true or false, got {_short(v)}")
     return v
 
 
@@ -108,28 +148,36 @@ def unsupported(param: str, what: str) -> APIError:
     return APIError(400, f"{param}: {what} is not supported per request yet", param, "unsupported_parameter")
 
 
-def read_spec(body: dict, kind: str, models: dict[str, str | None]) -> Spec:
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for (conf/serve.yaml)."""
+    max_tokens: int  # max_tokens at most: the model's context
+    json_depth: int = 64  # nesting of the body (a JSON schema's included)
+    constraint_bytes: int = 65536  # a regex, grammar or JSON schema (as JSON) at most this long
+
+
+def read_spec(body: dict, kind: str, models: dict[str, str | None], limits: Limits) -> Spec:
     """Every field of a chat (`kind="chat"`) or completion request checked; raises APIError.
     models: the served names, each with the draft it routes to (None: the preset's own)."""
     unknown = sorted(set(body) - FIELDS[kind])
     if unknown:
-        raise bad(unknown[0], "unknown field (docs/serve.md lists the fields this server takes)", "unknown_parameter")
+        raise bad(_short(unknown[0])[1:-1], "unknown field (docs/serve.md lists the fields this server takes)",
+                  "unknown_parameter")
     model = body.get("model")
     if not isinstance(model, str) or model not in models:
-        raise APIError(400, f"model: no model {model!r} here; this server serves {', '.join(map(repr, models))}",
-                       "model", "model_not_found")
+        raise APIError(400, f"model: no model {_short(model)} here; this server serves "
+                       f"{', '.join(map(repr, models))}", "model", "model_not_found")
     if kind == "chat":
         request, chat = Request("chat", *_messages(body.get("messages"))), True
     else:
         request, chat = Request("completion", _prompt(body.get("prompt"))), False
-    request.constraint = _constraint(body)
-    max_tokens = _int(body, "max_tokens", 1)
+    request.constraint = _constraint(body, limits.constraint_bytes)
+    max_tokens = _int(body, "max_tokens", 1, limits.max_tokens)
     if kind == "chat" and body.get("max_completion_tokens") is not None:
-        max_tokens = _int(body, "max_completion_tokens", 1)
-    n = _int(body, "n", 1) or 1
-    if n > MAX_N:
-        raise bad("n", f"must be at most {MAX_N}, got {n}")
-    if kind == "completion" and (_int(body, "best_of", 1) or n) != n:
+        max_tokens = _int(body, "max_completion_tokens", 1, limits.max_tokens)
+    n = _int(body, "n", 1, MAX_N) or 1
+    seed = _int(body, "seed", SEED_RANGE[0], SEED_RANGE[1] - (n - 1))  # choice i is seeded seed + i
+    if kind == "completion" and (_int(body, "best_of", 1, MAX_N) or n) != n:
         raise unsupported("best_of", "best_of other than n (ranking choices)")
     logprobs = _logprobs(body, kind)
     for key in ("presence_penalty", "frequency_penalty"):
@@ -145,10 +193,10 @@ def read_spec(body: dict, kind: str, models: dict[str, str | None]) -> Spec:
         if not stream:
             raise bad("stream_options", "is only allowed with stream: true")
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise bad("stream_options", f'takes {{"include_usage": true|false}}, got {options!r}')
+            raise bad("stream_options", f'takes {{"include_usage": true|false}}, got {_short(options)}')
     include_usage = _flag(options or {}, "include_usage")
     top_k = _int(body, "top_k", -1)  # -1 (vLLM's) or 0: off
-    return Spec(kind, request, chat, max_tokens, _int(body, "seed", 0), _stops(body.get("stop")), stream,
+    return Spec(kind, request, chat, max_tokens, seed, _stops(body.get("stop")), stream,
                 include_usage, _flag(body, "return_token_ids"), _number(body, "temperature", 0.0),
                 _number(body, "top_p", 0.0, 1.0, open_low=True), None if top_k is None else max(top_k, 0),
                 n, logprobs, model, models[model])
@@ -190,7 +238,7 @@ def _messages(msgs) -> tuple[str, list[dict]]:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise bad(f"messages[{j}]", 'must be an object with "role" and "content"')
         if m["role"] not in ROLES:
-            raise bad(f"messages[{j}].role", f"{m['role']!r} is not one of {', '.join(ROLES)}")
+            raise bad(f"messages[{j}].role", f"{_short(m['role'])} is not one of {', '.join(ROLES)}")
         out.append({"role": m["role"], "content": _text(m["content"], f"messages[{j}].content")})
     return out[-1]["content"], out
 
@@ -207,13 +255,16 @@ def _prompt(prompt) -> str:
 
 def _stops(stop) -> list[str]:
     stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
-    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
-        raise bad("stop", f"must be a non-empty string or a list of at most {MAX_STOPS} of them, got {stop!r}")
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or \
+            not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise bad("stop", f"must be a string of 1..{MAX_STOP_CHARS} characters or a list of at most {MAX_STOPS} "
+                  f"of them, got {_short(stop)}")
     return list(stops)
 
 
-def _constraint(body: dict) -> dict | None:
-    """The request's constraint as a CLI request line carries it: `json_schema`, `regex` or `grammar`."""
+def _constraint(body: dict, most: int) -> dict | None:
+    """The request's constraint as a CLI request line carries it: `json_schema`, `regex` or `grammar`
+    (text, at most `most` bytes; a schema as JSON)."""
     given = {}
     fmt = body.get("response_format")
     if fmt is not None:
@@ -226,16 +277,69 @@ def _constraint(body: dict) -> dict | None:
                 raise bad("response_format", 'json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
             given["json_schema"] = spec["schema"]
         elif kind != "text":
-            raise bad("response_format", f'type must be "text", "json_object" or "json_schema", got {fmt!r}')
+            raise bad("response_format", f'type must be "text", "json_object" or "json_schema", got {_short(fmt)}')
     for key in ("regex", "grammar"):
         v = body.get(key)
         if v is not None:
             if not isinstance(v, str) or not v:
-                raise bad(key, f"must be a non-empty string, got {v!r}")
+                raise bad(key, f"must be a non-empty string, got {_short(v)}")
             given[key] = v
     if len(given) > 1:
         raise bad("response_format", "give at most one of response_format (json), regex and grammar")
+    for key, v in given.items():
+        size = len(v.encode() if isinstance(v, str) else json.dumps(v).encode())
+        if size > most:
+            raise bad("response_format" if key == "json_schema" else key,
+                      f"is {size} bytes: this server compiles constraints of at most {most} (max_constraint_bytes)",
+                      "constraint_too_large")
     return given or None
+
+
+def request_schema(kind: str, models: list[str], limits: Limits) -> dict:
+    """The JSON schema of a chat (`kind="chat"`) or completion request body, as `read_spec` checks
+    it: served in the OpenAPI document (GET /openapi.json), which the API's fuzz test draws from."""
+    text = {"type": "string", "minLength": 1}
+    maybe = lambda schema: {"anyOf": [schema, {"type": "null"}]}  # noqa: E731 - OpenAI's fields take null
+    stop = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+    props = {
+        "model": {"type": "string", "enum": models},
+        "max_tokens": maybe({"type": "integer", "minimum": 1, "maximum": limits.max_tokens}),
+        "seed": maybe({"type": "integer", "minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1] - (MAX_N - 1)}),
+        "stop": maybe({"anyOf": [stop, {"type": "array", "items": stop, "maxItems": MAX_STOPS}]}),
+        "stream": maybe({"type": "boolean"}),
+        "stream_options": maybe({"type": "object", "properties": {"include_usage": {"type": "boolean"}},
+                                 "additionalProperties": False}),
+        "temperature": maybe({"type": "number", "minimum": 0}),
+        "top_p": maybe({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+        "top_k": maybe({"type": "integer", "minimum": -1}),
+        "n": maybe({"type": "integer", "minimum": 1, "maximum": MAX_N}),
+        "presence_penalty": maybe({"type": "number", "minimum": 0, "maximum": 0}),
+        "frequency_penalty": maybe({"type": "number", "minimum": 0, "maximum": 0}),
+        "regex": maybe({**text, "maxLength": limits.constraint_bytes}),
+        "grammar": maybe({**text, "maxLength": limits.constraint_bytes}),
+        "return_token_ids": maybe({"type": "boolean"}),
+        "response_format": maybe({"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "required": ["name", "schema"],
+                            "properties": {"name": {"type": "string"}, "schema": {"type": "object"}}}}}),
+        "user": maybe({"type": "string"}),
+        "metadata": maybe({"type": "object"}),
+    }
+    if kind == "chat":
+        content = {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+            "type": "object", "required": ["type", "text"],
+            "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}}]}
+        props.update(
+            messages={"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"],
+                                                                 "properties": {"role": {"enum": list(ROLES)},
+                                                                                "content": content}}},
+            max_completion_tokens=props["max_tokens"], logprobs=maybe({"type": "boolean"}),
+            top_logprobs=maybe({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS["chat"]}))
+    else:
+        props.update(prompt={"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": 1}]},
+                     logprobs=maybe({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS["completion"]}))
+    return {"type": "object", "required": ["model", "messages" if kind == "chat" else "prompt"],
+            "properties": props, "additionalProperties": False}
 
 
 # --- responses --------------------------------------------------------------------------------------
