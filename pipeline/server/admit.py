@@ -98,9 +98,10 @@ class Admitter:
         self.cfg, self.backbone = cfg, backbone
         self.limit = backbone.model.args.max_seq_len
         self.vocab = backbone.model.args.vocab_size
-        # the longest token's bytes: a text of more than limit x this many bytes is over the context
-        # whatever it encodes to (refused before it is tokenized)
-        self.token_bytes = max(len(t.encode()) for t in backbone.tokenizer.get_vocab())
+        # the longest token's text in bytes: a text of more than limit x this many bytes is over the
+        # context whatever it encodes to (refused before it is tokenized; ~0.4 s at start for 49k tokens)
+        tok = backbone.tokenizer
+        self.token_bytes = max(len(t.encode()) for t in tok.batch_decode([[i] for i in range(len(tok))]))
         s = cfg.sampler
         # the preset's knobs, which a request's own override (temperature 0: greedy)
         self.sampling = SamplingParams(float(s.temperature) if s.do_sample else 0.0, float(s.top_p), int(s.top_k))

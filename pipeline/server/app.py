@@ -40,6 +40,7 @@ from pipeline.server.openai_api import (FINISH, Answer, APIError, Limits, Spec, 
 from pipeline.streaming import TextStream
 from pipeline.threads import StepThreads
 
+DYING_S = 1.0  # how long a server whose engine died answers 503 before it exits
 KV_STATS = ("sequences", "tokens", "bytes_in_use", "blocks_in_use")  # of kv.stats(), where the manager has them
 
 
@@ -438,6 +439,7 @@ class Server(uvicorn.Server):
         super().__init__(config)
         self.service, self.shutdown_timeout = service, shutdown_timeout
         self.deadline: float | None = None  # when a drain gives up
+        self.dying: float | None = None  # when the engine thread was found dead
         self.exit_code = 0
 
     def handle_exit(self, sig, frame) -> None:  # uvicorn's re-raises the signal at exit: not here
@@ -460,9 +462,12 @@ class Server(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         engine = self.service.engine
         if engine.failure is not None and not self.should_exit:
-            print(f"the engine thread died ({engine.failure}): exiting 1 for a restart", file=sys.stderr, flush=True)
-            self.exit_code, self.should_exit = 1, True
-            self.config.timeout_graceful_shutdown = 5  # the failed requests' answers go out, then exit
+            if self.dying is None:  # a second of 503s (health checks see it), then out
+                print(f"the engine thread died ({engine.failure}): exiting 1 for a restart", file=sys.stderr, flush=True)
+                self.dying = time.monotonic()
+            elif time.monotonic() - self.dying > DYING_S:
+                self.exit_code, self.should_exit = 1, True
+                self.config.timeout_graceful_shutdown = 5  # the failed requests' answers go out, then exit
         if self.deadline is not None and not self.should_exit:
             left = self.deadline - time.monotonic()
             if left <= 0 and engine.inflight:

@@ -134,7 +134,7 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self.thread.is_alive()
+        return self.thread.is_alive() and self.failure is None
 
     # --- the engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
