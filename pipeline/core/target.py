@@ -1,7 +1,10 @@
 """The target-distribution stage: the one place where target logits become what the sampler and the
 verifiers read. Every row of a step goes through it: a plain step's root, the nodes of a tree, live
 beams. Logits processors run in order (transformers' protocol), then a per-row mask of allowed
-tokens (constraints: the masked distribution, renormalised over the allowed set), then the softmax: the target distribution p is the processed, masked one.
+tokens (constraints: the masked distribution, renormalised over the allowed set), then the softmax:
+the target distribution p is the processed, masked one. Where rows are sampled, the mask comes
+first, so top-k and top-p choose among allowed tokens (as vLLM applies a grammar's bitmask before
+them): otherwise a row whose allowed tokens all fall outside its top-k would hold none.
 
 Requests with sampling knobs of their own come as row groups (`RowGroup`): the shared processors
 still run once over every row, then each group's warpers (temperature, top-k, top-p) over its rows,
@@ -55,8 +58,7 @@ class Target:
     @property
     def scores(self) -> torch.Tensor:
         if self._scores is None:
-            self._scores = self._raw.masked_fill(~unpack(self.allowed, self._raw.shape[-1]).to(self._raw.device),
-                                                 float("-inf"))
+            self._scores = _masked(self._raw, self.allowed)
         return self._scores
 
     @property
@@ -118,6 +120,11 @@ class Target:
         return self._raw.shape[0]
 
 
+def _masked(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """scores (R, V) with -inf where a row's packed allowed set (R, W) leaves a token out."""
+    return scores.masked_fill(~unpack(allowed, scores.shape[-1]).to(scores.device), float("-inf"))
+
+
 class TargetStage:
     """logits (R, V) -> Target, through the sampler's processors and the rows' constraint masks."""
 
@@ -145,6 +152,9 @@ class TargetStage:
         (that request's fault). groups: rows whose requests bring knobs of their own (None: every
         row has the stage's)."""
         scores = logits
+        sampled = not self.greedy or any(not g.greedy for g in groups or [])
+        if allowed is not None and sampled:  # the warpers see the language's distribution: top-k / top-p keep
+            scores = _masked(logits, allowed)  # allowed tokens (after them the row could hold none)
         needs = self.needs_input_ids or (groups is not None and any(
             getattr(p, "needs_input_ids", False) for g in groups for p in g.warpers))
         ids = input_ids() if needs and input_ids is not None else None
@@ -169,8 +179,8 @@ class TargetStage:
                                 "check it against the prompt")
                 raise err if handle is None else RequestFault([handle], err)
             out = Target(scores.float(), greedy, allowed)
-            if out.greedy is not True:
-                out.scores  # sampling reads every row's masked distribution
+            if sampled:
+                out._scores = out._raw  # masked before the processors
             self.mask_s = time.perf_counter() - t0
             return out
         return Target(scores.float(), greedy)
