@@ -1,30 +1,23 @@
-"""A soak test of the OpenAI-compatible server (docs/serve.md): minutes of mixed traffic, good, bad
-and broken requests, while the server's memory and KV gauges are watched for leaks.
+"""A soak test of the OpenAI-compatible server (docs/serve.md): minutes of mixed traffic, good, bad and
+broken, while the server's memory and KV gauges are watched for leaks. Not part of `make test`.
 
-    .venv/bin/python scripts/soak.py [--minutes 10] [--url http://127.0.0.1:8000 [--pid PID] | --serve "decode=greedy ..."]
+    .venv/bin/python scripts/soak.py [--minutes 10] [--url http://127.0.0.1:8000 [--pid PID] | --serve "decode=greedy"]
         [--concurrency 8] [--seed 0] [--api-key KEY] [--out outputs/soak/<timestamp>]
 
-`--serve` (default "decode=greedy") starts `python -m pipeline.serve port=0 <overrides>` from the repo
-root, its output in <out>/server.log, learns its URL from the `serving ... on http://...` line, and
-stops it at the end with SIGTERM (SIGKILL after 60 s), reporting its exit code. `--url` soaks a
-server already running (`--pid` its process, for its RSS). A dry run: `--serve "model=tiny" --minutes 0.5`.
+`--serve` (default "decode=greedy"; a dry run: `--serve "model=tiny" --minutes 0.5`) starts `python -m
+pipeline.serve port=0 <overrides>` (output in <out>/server.log), reads its URL from the `serving ... on
+http://...` line and stops it at the end (SIGTERM, SIGKILL after 60 s); `--url` soaks a running server
+(`--pid`: its process, for RSS).
 
-`--concurrency` workers (httpx, not the openai client: raw bodies and hang-ups) each draw one kind of
-traffic at a time (TRAFFIC, seeded by `--seed`): whole and streamed chat completions, greedy or
-sampled; streams dropped after a few events; whole requests abandoned by a 0.2 s timeout; bad
-requests that must get a 4xx with an OpenAI error body (BAD); json_schema and regex constrained
-answers, validated; `n: 3`; raw `/v1/completions`, some with a stop string. Each request ends as one
-outcome: ok, expected_4xx, disconnected, aborted, refused_429 (a 429: refused, not lost), or an error:
-unexpected_status:<code>, bad_error_body, bad_response, incomplete_stream, stream_error,
-invalid_output, exception:<class>.
-
-A sample (the server's VmRSS, the KV and queue gauges of GET /metrics) is taken after a warm-up
-request, every minute, and at the end once the server is idle (up to 30 s for running requests and
-KV sequences to reach 0). soak.json in the out dir, rewritten with every sample, keeps the config,
-the CPU, the server command, the samples, outcomes overall and by traffic kind, tokens, the first
-example of each error and requests/s. Exit 0 when no request was lost or wrongly answered, no KV
-sequence or block is left in use at the end and RSS grew under 10% from the 1-minute sample to the
-end (runs under 2 minutes skip that check); else 1, naming what failed. Not part of `make test`.
+Workers (httpx, not the openai client: raw bodies and hang-ups) draw TRAFFIC kinds, seeded: whole and
+streamed chats, greedy or sampled; streams dropped mid-way; requests abandoned by a 0.2 s timeout; BAD
+requests, owed a 4xx with an OpenAI error body; json_schema and regex answers, validated; `n: 3`; raw
+completions. Outcomes: ok, expected_4xx, disconnected, aborted, refused_429 (refused, not lost), or errors:
+unexpected_status:<code>, bad_error_body, bad_response, incomplete_stream, stream_error, invalid_output,
+exception:<class>. The server's VmRSS and /metrics gauges are sampled after a warm-up request, every minute
+and once idle at the end; <out>/soak.json is rewritten at each sample. Exit 0 when no request was lost or
+wrongly answered, no KV sequence or block is in use at the end, and RSS grew under 10% from the 1-minute
+sample to the end (runs under 2 minutes skip this); else 1, naming what failed.
 """
 from __future__ import annotations
 
@@ -38,7 +31,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -56,44 +48,24 @@ TRAFFIC = {"chat": 20, "stream": 20, "disconnect": 8, "abort": 6, "bad": 14, "js
 PASSED = {"ok", "expected_4xx", "disconnected", "aborted", "refused_429"}
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}, "score": {"type": "integer"}},
           "required": ["answer", "score"], "additionalProperties": False}
+# bad requests: (what changes in a good request's body, or the raw body; the statuses that pass, 200 among
+# them where serving it is fine too)
+BAD = {"malformed_json": (b'{"model": "x", "messages": [', {400}),
+       "unknown_model": ({"model": "no-such-model"}, {400, 404}),
+       "negative_temperature": ({"temperature": -1}, {400}),
+       "top_p_above_1": ({"top_p": 1.5}, {400}),
+       "nan_temperature": ({"temperature": float("nan")}, {400}),  # json.dumps writes the bare NaN token: not JSON
+       "seed_65_bits": ({"seed": 2**64}, {400}),
+       "invalid_regex": ({"regex": "a("}, {400}),
+       "unknown_field": ({"frobnicate": True}, {400}),
+       "huge_max_tokens": ({"max_tokens": 10**9}, {400, 200}),
+       "body_over_2mb": ({"messages": [{"role": "user", "content": "x " * 1_100_000}]}, {413}),
+       "deep_nesting": (b"[" * 5000 + b"]" * 5000, {400})}  # valid JSON, 5000 deep: a recursive parser's 500
 SERVING = re.compile(r"serving (\S+) \((.*)\) on (http://\S+)")
 TIMEOUT_S = 600  # a request queued behind the others on a busy CPU can take minutes
 ABORT_S = 0.2  # the client gives up on an "abort" request after this
 START_S = 900  # the default model loads (and may quantize) before it serves
 MAX_GROWTH_PCT = 10
-
-
-def bad_request(name: str, base: dict) -> tuple[bytes, set[int]]:
-    """A request the server must refuse, by name: its raw body and the statuses that pass (200 in
-    the set: serving it is fine too)."""
-    dump = lambda **kw: json.dumps({**base, **kw}).encode()  # noqa: E731
-    if name == "malformed_json":
-        return b'{"model": "x", "messages": [', {400}
-    if name == "unknown_model":
-        return dump(model="no-such-model"), {400, 404}
-    if name == "negative_temperature":
-        return dump(temperature=-1), {400}
-    if name == "top_p_above_1":
-        return dump(top_p=1.5), {400}
-    if name == "nan_temperature":  # json.dumps writes the bare NaN token, which is not JSON
-        return dump(temperature=float("nan")), {400}
-    if name == "seed_65_bits":
-        return dump(seed=2**64), {400}
-    if name == "invalid_regex":
-        return dump(regex="a("), {400}
-    if name == "unknown_field":
-        return dump(frobnicate=True), {400}
-    if name == "huge_max_tokens":
-        return dump(max_tokens=10**9), {400, 200}
-    if name == "body_over_2mb":
-        return dump(messages=[{"role": "user", "content": "x " * 1_100_000}]), {413}
-    if name == "deep_nesting":  # valid JSON, 5000 levels deep: the parser must not recurse into a 500
-        return b"[" * 5000 + b"]" * 5000, {400}
-    raise ValueError(name)
-
-
-BAD = ("malformed_json", "unknown_model", "negative_temperature", "top_p_above_1", "nan_temperature", "seed_65_bits",
-       "invalid_regex", "unknown_field", "huge_max_tokens", "body_over_2mb", "deep_nesting")
 
 
 def answered(r: httpx.Response, n: int = 1, check=None) -> tuple[str, int, str]:
@@ -129,7 +101,7 @@ def refused(r: httpx.Response, expect: set[int]) -> tuple[str, int, str]:
 
 
 def valid_json(text: str, finish: str) -> str | None:
-    """Why a json_schema answer is wrong (None: it is right, or cut by max_tokens)."""
+    """Why a json_schema answer is wrong (None: it is right, or cut short by max_tokens)."""
     if finish != "stop":
         return None
     try:
@@ -146,22 +118,16 @@ def yes_or_no(text: str, finish: str) -> str | None:
 def rss_mb(pid: int | None) -> float | None:
     """A process's resident memory (VmRSS), None when unknown."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except (OSError, TypeError):
-        pass
-    return None
-
-
-def cpu_name() -> str:
-    return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")), "unknown")
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        kb = next(line.split()[1] for line in status if line.startswith("VmRSS:"))
+        return round(int(kb) / 1024, 1)
+    except (OSError, StopIteration):
+        return None
 
 
 class Server:
-    """`python -m pipeline.serve port=0 <overrides>`, a child of this script in its own session (a
-    Ctrl-C here does not reach it: it is stopped by `stop`)."""
+    """`python -m pipeline.serve port=0 <overrides>`, in a session of its own: a Ctrl-C of this script
+    does not reach it, `stop` does."""
 
     def __init__(self, overrides: str, out: Path):
         self.cmd = [sys.executable, "-m", "pipeline.serve", "port=0", *shlex.split(overrides)]
@@ -170,17 +136,15 @@ class Server:
             self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=log, start_new_session=True)
 
     def url(self) -> tuple[str, str]:
-        """The URL and the `<model> (<preset>)` of its start-up line, once it serves."""
+        """Its URL and `<model> (<preset>)`, from its start-up line, once it serves."""
         end = time.monotonic() + START_S
-        while time.monotonic() < end:
+        while time.monotonic() < end and self.proc.poll() is None:
             if m := SERVING.search(self.log.read_text(errors="replace")):
                 return m.group(3), f"{m.group(1)} ({m.group(2)})"
-            if self.proc.poll() is not None:
-                break
             time.sleep(0.5)
         self.stop()
         tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-15:])
-        raise SystemExit(f"the server did not start ({self.cmd}); {self.log} ends:\n{tail}")
+        raise SystemExit(f"the server did not start ({shlex.join(self.cmd)}); {self.log} ends:\n{tail}")
 
     def stop(self) -> int:
         """SIGTERM (it drains), SIGKILL after 60 s: its exit code (-9 when killed)."""
@@ -208,15 +172,39 @@ class Soak:
         b.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
         if rng.random() < 0.5:
             b.update(temperature=0.8, top_p=0.95, seed=rng.randrange(2**31))
-        return {**b, **kw}
+        return b | kw
 
     async def post(self, body: dict, n: int = 1, check=None, path: str = "/v1/chat/completions"):
         return answered(await self.client.post(path, json=body, timeout=TIMEOUT_S), n, check)
 
-    async def chat(self, rng):
-        return await self.post(self.body(rng))
+    async def send(self, kind: str, rng: random.Random) -> tuple[str, int, str]:
+        """One request of a TRAFFIC kind (`bad:<name>` for a BAD one): (outcome, completion tokens, detail)."""
+        if kind.startswith("bad:"):
+            change, expect = BAD[kind[4:]]
+            raw = change if isinstance(change, bytes) else json.dumps(self.body(rng, max_tokens=16) | change).encode()
+            return refused(await self.client.post("/v1/chat/completions", content=raw, timeout=TIMEOUT_S,
+                                                  headers={"Content-Type": "application/json"}), expect)
+        if kind in ("stream", "disconnect"):
+            return await self.stream(rng, drop_after=rng.randint(1, 4) if kind == "disconnect" else None)
+        if kind == "abort":
+            body = self.body(rng, max_tokens=128)
+            try:
+                r = await self.client.post("/v1/chat/completions", json=body, timeout=ABORT_S)
+            except httpx.TimeoutException:
+                return "aborted", 0, ""
+            return answered(r)  # answered within ABORT_S: served as any other
+        if kind == "completion":
+            stop = rng.random() < 0.5
+            check = lambda text, _: "the stop string is in the text" if stop and "\n\n" in text else None  # noqa: E731
+            body = self.body(rng, chat=False, **({"stop": ["\n\n"]} if stop else {}))
+            return await self.post(body, check=check, path="/v1/completions")
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+        extra, n, check = {"chat": ({}, 1, None), "n3": ({"n": 3}, 3, None),
+                           "regex": ({"regex": "(yes|no)"}, 1, yes_or_no),
+                           "json_schema": ({"response_format": fmt}, 1, valid_json)}[kind]
+        return await self.post(self.body(rng, **extra), n, check)
 
-    async def stream(self, rng, drop_after: int | None = None):
+    async def stream(self, rng, drop_after: int | None = None) -> tuple[str, int, str]:
         """A streamed chat completion read to `data: [DONE]`, or dropped after `drop_after` events."""
         body = self.body(rng, stream=True, stream_options={"include_usage": True})
         finish, tokens, events = None, None, 0
@@ -241,45 +229,11 @@ class Soak:
                 tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
         return "incomplete_stream", 0, f"the stream ended after {events} events without [DONE]"
 
-    async def disconnect(self, rng):
-        return await self.stream(rng, drop_after=rng.randint(1, 4))
-
-    async def abort(self, rng):
-        try:
-            r = await self.client.post("/v1/chat/completions", json=self.body(rng, max_tokens=128), timeout=ABORT_S)
-        except httpx.TimeoutException:
-            return "aborted", 0, ""
-        return answered(r)  # answered within ABORT_S: served as any other
-
-    async def json_schema(self, rng):
-        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
-        return await self.post(self.body(rng, response_format=fmt), check=valid_json)
-
-    async def regex(self, rng):
-        return await self.post(self.body(rng, regex="(yes|no)"), check=yes_or_no)
-
-    async def n3(self, rng):
-        return await self.post(self.body(rng, n=3), n=3)
-
-    async def completion(self, rng):
-        stop = rng.random() < 0.5
-        body = self.body(rng, chat=False, **({"stop": ["\n\n"]} if stop else {}))
-        check = (lambda text, _: "the stop string is in the text" if "\n\n" in text else None) if stop else None
-        return await self.post(body, check=check, path="/v1/completions")
-
-    async def bad(self, rng, name: str):
-        raw, expect = bad_request(name, self.body(rng, max_tokens=16))
-        r = await self.client.post("/v1/chat/completions", content=raw, timeout=TIMEOUT_S,
-                                   headers={"Content-Type": "application/json"})
-        return refused(r, expect)
-
     def record(self, kind: str, outcome: str, tokens: int, detail: str) -> None:
         rep = self.report
-        rep["requests"] += 1
-        rep["tokens"] += tokens
-        rep["outcomes"][outcome] = rep["outcomes"].get(outcome, 0) + 1
-        by_kind = rep["by_kind"].setdefault(kind, {})
-        by_kind[outcome] = by_kind.get(outcome, 0) + 1
+        rep["requests"], rep["tokens"] = rep["requests"] + 1, rep["tokens"] + tokens
+        for counts in (rep["outcomes"], rep["by_kind"].setdefault(kind, {})):
+            counts[outcome] = counts.get(outcome, 0) + 1
         if outcome not in PASSED and outcome not in rep["first_error"]:
             rep["first_error"][outcome] = {"kind": kind, "detail": detail}
 
@@ -290,22 +244,21 @@ class Soak:
         while time.monotonic() < deadline:
             kind = rng.choices(kinds, weights)[0]
             if kind == "bad":
-                kind = f"bad:{rng.choice(BAD)}"
+                kind = f"bad:{rng.choice(list(BAD))}"
             try:
-                result = await (self.bad(rng, kind[4:]) if kind.startswith("bad:") else getattr(self, kind)(rng))
+                result = await self.send(kind, rng)
             except Exception as e:  # connection errors, timeouts, unparseable answers: lost requests
-                result = f"exception:{type(e).__name__}", 0, str(e)[:300]
+                result = f"exception:{type(e).__name__}", 0, (str(e) or repr(e))[:300]
             self.record(kind, *result)
 
     async def gauges(self) -> dict:
         """The GAUGES of GET /metrics (a missing one: None)."""
         try:
-            r = await self.client.get("/metrics", timeout=30)
-            lines = [ln.rsplit(" ", 1) for ln in r.text.splitlines() if ln and not ln.startswith("#")]
-            values = {k: float(v) for k, v in lines}
+            r = (await self.client.get("/metrics", timeout=30)).raise_for_status()
+            values = dict(ln.rsplit(" ", 1) for ln in r.text.splitlines() if ln and not ln.startswith("#"))
+            return {g: float(values[g]) if g in values else None for g in GAUGES}
         except (httpx.HTTPError, ValueError) as e:
             return {g: None for g in GAUGES} | {"metrics_error": f"{type(e).__name__}: {e}"}
-        return {g: values.get(g) for g in GAUGES}
 
     async def sample(self, label: str) -> None:
         s = {"label": label, "t_s": round(time.monotonic() - self.t0, 1), "rss_mb": rss_mb(self.pid)}
@@ -329,14 +282,13 @@ class Soak:
             await asyncio.sleep(0.5)
 
 
-async def soak(args, url: str, pid: int | None, report: dict, out: Path) -> None:
+async def soak(args, url: str, pid: int | None, report: dict) -> None:
     """Warm-up, the start sample, `minutes` of traffic with a sample every minute, the idle end sample."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=httpx.Limits(max_connections=None)) as client:
-        r = await client.get("/v1/models", timeout=30)
-        r.raise_for_status()
-        model = report["model"] = r.json()["data"][0]["id"]
-        s = Soak(client, model, pid, args.seed, report, out)
+        models = (await client.get("/v1/models", timeout=30)).raise_for_status().json()
+        model = report["model"] = models["data"][0]["id"]
+        s = Soak(client, model, pid, args.seed, report, args.out)
         report["warmup"] = await s.post({"model": model, "messages": [{"role": "user", "content": "Hi"}],
                                          "max_tokens": 8})
         s.t0 = time.monotonic()
@@ -345,9 +297,9 @@ async def soak(args, url: str, pid: int | None, report: dict, out: Path) -> None
         sampler = asyncio.create_task(s.sampler(deadline))
         await asyncio.gather(*(s.worker(i, deadline) for i in range(args.concurrency)))
         sampler.cancel()
-        report["traffic_s"] = round(time.monotonic() - s.t0, 1)
-        report["requests_per_s"] = round(report["requests"] / report["traffic_s"], 2)
-        report["served_per_s"] = round(report["outcomes"].get("ok", 0) / report["traffic_s"], 2)
+        wall = report["traffic_s"] = round(time.monotonic() - s.t0, 1)
+        report["requests_per_s"] = round(report["requests"] / wall, 2)
+        report["served_per_s"] = round(report["outcomes"].get("ok", 0) / wall, 2)
         await s.wait_idle()
         await s.sample("end")
 
@@ -376,29 +328,28 @@ def verdict(report: dict) -> list[str]:
 
 def summary(report: dict) -> None:
     s = {x["label"]: x for x in report["samples"]}
-    get = lambda label, key: s.get(label, {}).get(key)  # noqa: E731
-    print(f"\nsoak of {report['server'].get('serving') or report['model']} at {report['server']['url']}: "
+    at = lambda label, key: s.get(label, {}).get(key)  # noqa: E731
+    counts = lambda outcomes: ", ".join(f"{o} {n}" for o, n in sorted(outcomes.items(), key=lambda x: -x[1]))  # noqa
+    print(f"\nsoak of {report['server'].get('serving') or report['model']} at {report['server'].get('url')}: "
           f"{report['traffic_s']} s, {report['config']['concurrency']} clients, {report['requests']} requests "
           f"({report['requests_per_s']}/s), {report['outcomes'].get('ok', 0)} served, {report['tokens']} tokens")
     print(f"{'traffic kind':<28}{'requests':>9}  outcomes")
     for kind, outcomes in sorted(report["by_kind"].items()):
         flag = "" if set(outcomes) <= PASSED else "  <-"
-        print(f"{kind:<28}{sum(outcomes.values()):>9}  "
-              + ", ".join(f"{o} {n}" for o, n in sorted(outcomes.items(), key=lambda x: -x[1])) + flag)
-    print(f"{'all':<28}{report['requests']:>9}  "
-          + ", ".join(f"{o} {n}" for o, n in sorted(report["outcomes"].items(), key=lambda x: -x[1])))
-    for kind, e in report["first_error"].items():
-        print(f"  first {kind} ({e['kind']}): {e['detail'][:160]}")
-    growth = report.get("rss_growth_pct")
-    print(f"RSS MB: start {get('start', 'rss_mb')}, 1 min {get('1 min', 'rss_mb')}, end {get('end', 'rss_mb')}; "
-          f"growth 1 min -> end: {'n/a (no 1-minute sample)' if growth is None else f'{growth}%'}")
-    print(f"KV sequences {get('start', GAUGES[0])} -> {get('end', GAUGES[0])}, blocks {get('start', GAUGES[1])} -> "
-          f"{get('end', GAUGES[1])}, bytes {get('start', GAUGES[2])} -> {get('end', GAUGES[2])}")
+        print(f"{kind:<28}{sum(outcomes.values()):>9}  {counts(outcomes)}{flag}")
+    print(f"{'all':<28}{report['requests']:>9}  {counts(report['outcomes'])}")
+    for outcome, e in report["first_error"].items():
+        print(f"  first {outcome} ({e['kind']}): {e['detail'][:160]}")
+    growth = report["rss_growth_pct"]
+    why = "run under 2 minutes" if at("start", "rss_mb") else "no RSS: --pid"
+    print(f"RSS MB: start {at('start', 'rss_mb')}, 1 min {at('1 min', 'rss_mb')}, end {at('end', 'rss_mb')}; "
+          f"growth 1 min -> end {f'{growth}%' if growth is not None else f'n/a ({why})'}")
+    print("KV at start -> end: " + ", ".join(f"{g[12:]} {at('start', g)} -> {at('end', g)}" for g in GAUGES[:3]))
     print(f"server exit code: {report['server'].get('exit_code')}")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10)
     p.add_argument("--url", help="a running server (else --serve starts one)")
     p.add_argument("--serve", help='overrides for python -m pipeline.serve (default "decode=greedy")')
@@ -410,31 +361,40 @@ def main() -> None:
     args = p.parse_args()
     if args.url and args.serve:
         p.error("--url or --serve, not both")
+    if args.minutes <= 0 or args.concurrency < 1:
+        p.error("--minutes must be > 0 and --concurrency >= 1")
     if args.serve is None and not args.url:
         args.serve = "decode=greedy"
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "api_key"},
-              "cpu": cpu_name(), "server": {}, "model": None, "warmup": None, "samples": [], "requests": 0,
-              "tokens": 0, "outcomes": {}, "by_kind": {}, "first_error": {}, "traffic_s": None,
-              "requests_per_s": None, "served_per_s": None, "rss_growth_pct": None, "failed": []}
+    hide = lambda text: re.sub(r"(api_key=)\S+", r"\1***", text)  # noqa: E731  (a key given as a server override)
+    report = {"config": {k: hide(str(v)) if isinstance(v, (str, Path)) else v for k, v in vars(args).items()
+                         if k != "api_key"},
+              "cpu": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                           if ln.startswith("model name")), None),
+              "server": {}, "model": None, "warmup": None, "samples": [], "requests": 0, "tokens": 0, "outcomes": {},
+              "by_kind": {}, "first_error": {}, "traffic_s": None, "requests_per_s": None, "served_per_s": None,
+              "rss_growth_pct": None, "failed": []}
     server, pid, url = None, args.pid, (args.url or "").rstrip("/").removesuffix("/v1")
-    if args.serve is not None:
-        server = Server(args.serve, args.out)
-        report["server"] = {"command": shlex.join(server.cmd), "log": str(server.log), "pid": server.proc.pid}
-        url, report["server"]["serving"] = server.url()
-        pid = server.proc.pid
-    report["server"]["url"] = url
-    print(f"soak: {args.minutes} min, {args.concurrency} clients against {url}; {args.out}/soak.json", flush=True)
     try:
-        asyncio.run(soak(args, url, pid, report, args.out))
+        if args.serve is not None:
+            server = Server(args.serve, args.out)
+            report["server"] = {"command": hide(shlex.join(server.cmd)), "log": str(server.log), "pid": server.proc.pid}
+            url, report["server"]["serving"] = server.url()
+            pid = server.proc.pid
+        report["server"]["url"] = url
+        print(f"soak: {args.minutes} min, {args.concurrency} clients, {url}; {args.out}/soak.json", flush=True)
+        asyncio.run(soak(args, url, pid, report))
     except KeyboardInterrupt:
         report["failed"].append("interrupted")
-    finally:
+    except httpx.HTTPError as e:  # GET /v1/models or the warm-up: nothing to soak
+        report["failed"].append(f"the server did not answer: {type(e).__name__}: {str(e).splitlines()[0]}")
+    finally:  # a server started here is stopped whatever happened
         if server is not None:
             report["server"]["exit_code"] = server.stop()
         report["failed"] += verdict(report)
         write_json(args.out / "soak.json", report)
-    summary(report)
+    if report["samples"]:  # the soak began
+        summary(report)
     print("\n".join(["FAILED:", *(f"  {f}" for f in report["failed"])]) if report["failed"] else "PASSED")
     sys.exit(1 if report["failed"] else 0)
 
