@@ -10,7 +10,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
-from test_serve import live_server, metric, wait_for
+from serving import live_server, metric, wait_for
 
 EXAMPLES = 300
 

@@ -37,7 +37,7 @@ from pipeline.decode import decode
 from pipeline.server.admit import GrammarCache
 
 from helpers import PYTHON, REPO_ROOT, compose_config, subprocess_env
-from test_serve import live_server, metric, reference, wait_for
+from serving import live_server, metric, reference, wait_for
 
 SECRET = "s3cr3t-value-7f3a"
 GOOD = "Tell me about the sea."
