@@ -6,43 +6,20 @@ float32 steps give batch 1's tokens: test_serve.py's 32 streams check the same);
 loadtest.png are written. Bad input fails with one line naming the fix."""
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import socket
-import threading
-import time
 
 import httpx
 import pytest
 
 from pipeline.errors import UserError
 from pipeline.loadtest import loadtest, markdown_table
-from pipeline.server.app import build_server
 
 from helpers import compose_config
+from serving import live_server
 
 MAX_TOKENS = 8
-
-
-@contextlib.contextmanager
-def live_server(*overrides: str):
-    """A server on a free port of 127.0.0.1, run on a thread of this process (as in test_serve.py)."""
-    cfg = compose_config(["model=tiny", "port=0", "~guard", *overrides], config_name="serve")
-    server = build_server(cfg)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield server, f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
 
 def generated_tokens(url: str) -> float:
     text = httpx.get(f"{url}/metrics").text

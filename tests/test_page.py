@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import threading
-import time
 
 import httpx
 import pytest
 
-from pipeline.server.app import build_server
 
-from helpers import REPO_ROOT, compose_config
+from helpers import REPO_ROOT
+from serving import live_server
 
 INSTALL = "apt-get install -y chromium chromium-driver && pip install selenium (make setup does both as root)"
 webdriver = pytest.importorskip("selenium.webdriver", reason=f"the page test needs selenium: {INSTALL}")
@@ -33,26 +31,6 @@ PROMPT = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3"  # the tiny model repeats itsel
 MAX_TOKENS = 48
 KEY = "test-key-123"
 KEY_ITEM = "pipeline.serve.api_key"  # the page's sessionStorage item
-
-
-@contextlib.contextmanager
-def live_server(*overrides: str):
-    """A server on a free port of 127.0.0.1, run on a thread of this process."""
-    cfg = compose_config(["model=tiny", "port=0", "~guard", *overrides], config_name="serve")
-    server = build_server(cfg)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield server, f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
 
 @contextlib.contextmanager
 def chromium():
