@@ -1,4 +1,4 @@
-"""The fused C++ kernels of a decode step (csrc/decode_ops.cpp), built with the system compiler.
+"""The fused C++ kernels of a decode step (csrc/decode_ops.cpp and the files it includes), built with the system compiler.
 
     python -m components.model.native        # what `make setup` runs: build, or say in one line why not
 
@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_ops.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "decode_ops.cpp"  # the translation unit; it includes the other files of csrc/
 BUILD_ROOT = Path(__file__).resolve().parents[2] / "build" / "native"
 FLAGS = ["-O3", "-fPIC", "-shared", "-std=c++17", "-fopenmp", "-DNDEBUG"]
 # The instruction sets the build may use, narrowed by the variables that make torch, oneDNN and MKL
@@ -78,7 +79,8 @@ def key() -> str:
     """Digest of what the library depends on: the source, torch, the CPU (its model and flags; where
     /proc/cpuinfo is hidden, what platform and torch report) and the compiler."""
     cpu = _cpu() or f"{platform.processor()}|{platform.machine()}|{torch.backends.cpu.get_cpu_capability()}"
-    parts = [SOURCE.read_text(), torch.__version__, cpu, " ".join(FLAGS + isa_flags()), sys.version, _compiler()]
+    sources = "\n".join(f.read_text() for f in sorted(CSRC.iterdir()) if f.suffix in (".cpp", ".h"))
+    parts = [sources, torch.__version__, cpu, " ".join(FLAGS + isa_flags()), sys.version, _compiler()]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -98,7 +100,7 @@ def build() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     name = out.name.split(".")[0]
     tmp = out.with_suffix(f".tmp{os.getpid()}")
-    cmd = [cxx, *FLAGS, *isa_flags(), str(SOURCE), "-o", str(tmp), f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+    cmd = [cxx, *FLAGS, *isa_flags(), str(SOURCE), f"-I{CSRC}", "-o", str(tmp), f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
            *(f"-I{p}" for p in include_paths()), f"-I{sysconfig.get_paths()['include']}",
            *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
