@@ -131,6 +131,19 @@ class PagedKV(SequencePool):
         K, V = kp[plan.read].view(shape), vp[plan.read].view(shape)  # a view, or (B, nb, block, nkv, hs) gathered
         return K[:, :S].transpose(1, 2), V[:, :S].transpose(1, 2)  # (B, nkv, S, hs)
 
+    def update_in_place(self, layer, k, v, plan):
+        """`update` for an attention that reads the pool where it lies (the native `paged_attention`):
+        writes the step's rows as `update` does and returns the layer's key and value pools and the
+        step's block table, sequence b's slot s in block table[b, s // block_size] (past its own
+        blocks, padded as `update` pads its gather). Nothing is gathered or copied."""
+        kp, vp = self.pool[layer, 0], self.pool[layer, 1]  # (n_blocks, block_size, nkv, hs)
+        wblk, woff = plan.write
+        kp[wblk, woff] = k  # (R, nkv, hs)
+        vp[wblk, woff] = v
+        read = plan.read  # consecutive blocks as a slice (one sequence), else the (B, nb) table
+        table = read if isinstance(read, torch.Tensor) else torch.arange(read.start, read.stop, device=kp.device)[None]
+        return kp, vp, table  # (n_blocks, block_size, nkv, hs) x 2, (B, nb) int64
+
     def _move(self, seq, src, dst) -> None:
         bs, t = self.block_size, torch.tensor(self.tables[seq])
         # the blocks past the committed prefix were written this step: this sequence owns them

@@ -177,6 +177,23 @@ class Block(nn.Module):
         eps = self.attn_norm.eps
         q, k, v = ops.pre_attention(x, self.attn_norm.weight, eps, *self.wqkv.spec(plan.kernel("wqkv", R)), self.bqkv,
                                     cos, sin, self.n_heads, self.n_kv, self.hs)  # (R, nh, hs), (R, nkv, hs) x 2
+        y = self.native_attention(q, k, v, batch, kv, ops)  # (R, nh hs)
+        return ops.post_attention(x, y, *self.wo.spec(plan.kernel("wo", R)), self.bo, self.mlp_norm.weight, eps,
+                                  *self.w13.spec(plan.kernel("w13", R)), *self.w2.spec(plan.kernel("w2", R)))
+
+    def native_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch, kv, ops) -> torch.Tensor:
+        """The step's attention through the fused kernels, after writing k, v into `kv`: q (R, nh, hs),
+        k, v (R, nkv, hs) bfloat16 -> (R, nh hs). A KV manager whose pool the kernel reads where it
+        lies (`update_in_place`: the paged KV) hands over its pools and block table, and the packed
+        rows go in as they are: no gathered copy of the cache, no padded rows. Else its (B, nkv, S,
+        hs) keys and values, the rows padded to (B, T) and back. A row's bits are the same either way."""
+        scale = 1.0 / math.sqrt(self.hs)
+        in_place = getattr(kv, "update_in_place", None)
+        if in_place is not None:
+            kp, vp, table = in_place(self.layer_id, k, v, batch.plan)  # (n_blocks, block_size, nkv, hs) x 2, (B, nb)
+            y = ops.paged_attention(q, kp, vp, table, batch.row_index, batch.width, batch.span, batch.bias, scale,
+                                    batch.causal)  # (R, nh, hs)
+            return y.view(q.shape[0], -1)
         K, V = kv.update(self.layer_id, k, v, batch.plan)  # (B, nkv, S, hs): cached + these rows
         B, T = len(batch.seqs), batch.width
         if B == 1:
@@ -185,11 +202,8 @@ class Block(nn.Module):
             qb = q.new_zeros(B * T, self.n_heads, self.hs)
             qb[batch.row_index] = q
             qb = qb.view(B, T, self.n_heads, self.hs)
-        y = ops.attention(qb, K, V, batch.bias, 1.0 / math.sqrt(self.hs), batch.causal).view(B * T, -1)
-        if B > 1:
-            y = y[batch.row_index]  # (R, nh hs)
-        return ops.post_attention(x, y, *self.wo.spec(plan.kernel("wo", R)), self.bo, self.mlp_norm.weight, eps,
-                                  *self.w13.spec(plan.kernel("w13", R)), *self.w2.spec(plan.kernel("w2", R)))
+        y = ops.attention(qb, K, V, batch.bias, scale, batch.causal).view(B * T, -1)
+        return y if B == 1 else y[batch.row_index]  # (R, nh hs)
 
     MATRICES = ("wqkv", "wo", "w13", "w2")
 

@@ -768,6 +768,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("product_path", []() { return product_path(); });
   m.def("pre_attention", &pre_attention);
   m.def("attention", &attention);
+  m.def("paged_attention", &paged_attention, py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("table"),
+        py::arg("row_index"), py::arg("width"), py::arg("span"), py::arg("bias"), py::arg("scale"), py::arg("causal"),
+        py::arg("ref") = false);
+  m.def("attention_kernel", []() { return std::string(ATTEND_KERNEL); });
   m.def("silu_mul", &silu_mul);
   m.def("post_attention", &post_attention);
 }
