@@ -17,7 +17,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PIPELINE_CACHE", Path.home() / ".cache" / "llm-decode"))
 
 
-PRECISIONS = ("auto", "float32", "bfloat16", "q4")
+PRECISIONS = ("auto", "float32", "bfloat16", "q4", "w4a8")
+FOUR_BIT = ("q4", "w4a8")  # 4-bit layer matrices: times bfloat16 activations (q4) or int8 ones (w4a8, native only)
 Q4 = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # "layers.{i}.{matrix}" -> codes, scale, zero
 
 
@@ -52,16 +53,21 @@ def _materialize(model: torch.nn.Module, device: torch.device):
 
 
 def assemble(args: LlamaArgs, weights: dict[str, torch.Tensor], q4: Q4, precision: str, device: torch.device,
-             wqkv0: torch.Tensor, optimize: bool = True, head: str = "dtype", kernels: str = "auto") -> Transformer:
+             wqkv0: torch.Tensor, optimize: bool = True, head: str = "dtype", kernels: str = "auto",
+             head_blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> Transformer:
     """Our Transformer from float32 `weights` (our names and layout) and 4-bit matrices `q4`, in
-    `precision` (float32 / bfloat16 / q4) on `device`. Its fingerprint is taken from the float32
+    `precision` (float32 / bfloat16 / q4 / w4a8) on `device`. Its fingerprint is taken from the float32
     weights as loaded (wqkv0: layer 0's q/k/v [in, out]), so heads trained in one precision load in
-    every other. head, kernels: what `optimize_for_decoding` is given."""
+    every other. head, kernels: what `optimize_for_decoding` is given. head_blocks: the LM head's Q8_0
+    codes and d as a file ships them (w4a8 multiplies those; else the head is quantized to Q8_0)."""
     with torch.device("meta"):
         model = Transformer(args)
+    activations = "int8" if precision == "w4a8" else "bfloat16"
+    model.activations = activations
+    model.head_blocks = head_blocks if precision == "w4a8" else None
     for name, (codes, scale, zero) in q4.items():
         layer, mat = name.split(".")[1:]
-        setattr(model.layers[int(layer)], mat, Int4(codes, scale, zero, device=device))
+        setattr(model.layers[int(layer)], mat, Int4(codes, scale, zero, device=device, activations=activations))
     _materialize(model, device)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = {m for m in missing if m.rsplit(".", 1)[0] not in q4}  # the Int4 modules came built
@@ -86,6 +92,6 @@ def build(args: LlamaArgs, weights: dict[str, torch.Tensor], precision: str = "f
     """A Transformer from float32 weights in our layout (`convert_hf_state_dict`), in `precision`."""
     weights = dict(weights)
     wqkv0 = weights["layers.0.wqkv.weight"]
-    q4 = quantize_matrices(weights, args) if check_precision(precision) == "q4" else {}
+    q4 = quantize_matrices(weights, args) if check_precision(precision) in FOUR_BIT else {}
     return assemble(args, weights, q4, "float32" if precision == "auto" else precision, resolve_device(device),
                     wqkv0, optimize, head, kernels)

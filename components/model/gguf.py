@@ -112,6 +112,17 @@ def q4_blocks(t: RawTensor) -> Q4Blocks | None:
     return None
 
 
+def q8_blocks(t: RawTensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A Q8_0 tensor's blocks exactly: codes (out, in) int8 and d (out, in / 32) float32, w = d q (None
+    for other types)."""
+    if t.kind != "Q8_0":
+        return None
+    b = _blocks(t, 2 + BLOCK)
+    d = _f16(b[:, :, 0:2])[..., 0]  # (rows, blocks)
+    q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8)).reshape(t.shape[0], -1)
+    return q, d
+
+
 def row_order(rows: int, n_head: int) -> torch.Tensor:
     """The permutation that undoes llama.cpp's q/k row interleaving (transformers' reverse_permute)."""
     half = rows // n_head // 2
@@ -178,6 +189,9 @@ class GGUFFile:
             "w13": [(t[p + "ffn_gate.weight"], None), (t[p + "ffn_up.weight"], None)],
             "w2": [(t[p + "ffn_down.weight"], None)],
         }
+
+    def raw(self, name: str) -> RawTensor:
+        return self.tensors[name]
 
     def vector(self, name: str) -> torch.Tensor:
         return dequantize(self.tensors[name])

@@ -20,6 +20,7 @@ import torch.nn as nn
 from components.model.kernels import at_least, matmul
 
 GROUP = 32
+ACTIVATIONS = ("bfloat16", "int8")  # what a 4-bit matrix multiplies: q4 and w4a8
 
 
 def native_bf16_layout(wt: torch.Tensor) -> torch.Tensor:
@@ -116,6 +117,64 @@ def native_q4_layout(codes: torch.Tensor, scale_zeros: torch.Tensor) -> tuple[to
     return packed, sz.reshape(out // 16, k // 32, 32).contiguous()
 
 
+def native_w4a8_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes (out, in) 0..15, scale and zero (out, in / 32) float32 (w = (q - 8) scale + zero) -> the w4a8
+    integer product's layout (csrc/w4a8.h): codes (out / 16, in / 32, 4, 64) uint8, vector j lane n byte i
+    holding output n's codes for inputs 4 j + i (low nibble) and 16 + 4 j + i (high nibble); dm
+    (out / 16, in / 32, 2, 16) float16 (its bits as int16, which a model's `.to(dtype)` leaves alone), the
+    outputs' d = scale and m = zero - 8 scale (w = d q + m: a Q4_1 block's own d and m, exact for a GGUF's
+    blocks)."""
+    out, k = codes.shape
+    c = codes.to(torch.uint8).view(out // 16, 16, k // 32, 2, 4, 4)  # (block, n, group, half, j, i)
+    packed = (c[:, :, :, 0] | c[:, :, :, 1] << 4).permute(0, 2, 3, 1, 4).reshape(out // 16, k // 32, 4, 64)
+    d, m = scale.double(), zero.double() - 8 * scale.double()
+    dm = torch.stack((d, m)).to(torch.float16).view(2, out // 16, 16, k // 32).permute(1, 3, 0, 2)
+    return packed.contiguous(), dm.contiguous().view(torch.int16)
+
+
+def native_w8a8_layout(codes: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks, codes (out, in) int8 and d (out, in / 32) float, w = d q -> the w4a8 head's layout
+    (csrc/w4a8.h): codes (out / 16, in / 32, 8, 64) uint8 = q + 128, vector j lane n byte i holding output
+    n's input 4 j + i; d (out / 16, in / 32, 16) float16 (its bits as int16)."""
+    out, k = codes.shape
+    c = (codes.to(torch.int16) + 128).to(torch.uint8).view(out // 16, 16, k // 32, 8, 4)  # (block, n, group, j, i)
+    packed = c.permute(0, 2, 3, 1, 4).reshape(out // 16, k // 32, 8, 64)
+    return packed.contiguous(), d.to(torch.float16).view(out // 16, 16, k // 32).transpose(1, 2).contiguous().view(torch.int16)
+
+
+def quantize_q8(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float (out, in) matrix -> Q8_0 blocks as ggml quantizes them: d = max |w| / 127 per group of 32,
+    rounded to float16 first, q = round(w / d) in -127..127 (for heads a file does not ship in 8 bits)."""
+    out, k = w.shape
+    g = w.float().view(out, k // group, group)
+    d = (g.abs().amax(-1) / 127).to(torch.float16).float()
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (g * inv[..., None]).round().clamp(-127, 127).to(torch.int8).view(out, k), d
+
+
+class Int8Blocks(nn.Module):
+    """The LM head as Q8_0 blocks (w = d q, groups of 32 along the input) for the w4a8 precision's
+    integer product (csrc/w4a8.h `q8i8_mm`): activations quantized per row to int8 blocks, float32
+    logits. Only the native layout is kept: the module exists where the fused kernels are built."""
+
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, ops):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        packed, scales = native_w8a8_layout(codes, d)
+        self.register_buffer("codes", packed, persistent=False)
+        self.register_buffer("d", scales, persistent=False)
+        self.native = ops
+
+    @classmethod
+    def fits(cls, w: torch.Tensor) -> bool:
+        return w.shape[0] % 16 == 0 and w.shape[1] % GROUP == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        y = self.native.q8i8_mm(x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16), self.codes, self.d)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 class Int4(nn.Module):
     """w = (q - 8) * scale + zero, groups of `group` along the input dimension. The kernels keep scale
     and zero in bfloat16 (torch's only fast activation dtype on CPU): the one place a Q4_1 block's d
@@ -128,8 +187,14 @@ class Int4(nn.Module):
 
     dtype = torch.bfloat16
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, device=None):
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, device=None,
+                 activations: str = "bfloat16"):
+        """activations: bfloat16 (the q4 precision), or int8 (w4a8: the integer product, csrc/w4a8.h,
+        which runs where the fused kernels are built: `use_native`)."""
         super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"`activations` must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+        self.activations = activations
         out, k = codes.shape
         self.in_features, self.out_features, self.group = k, out, k // scale.shape[1]
         device = torch.device(device or "cpu")
@@ -145,14 +210,22 @@ class Int4(nn.Module):
         self.min_rows = 1
         self.native = None  # the fused kernels' module where `use_native` turned them on
         fits = device.type == "cpu" and self.group == 32 and out % 16 == 0
-        layout = native_q4_layout(codes, self.scale_zeros) if fits else (None, None)
+        int8 = activations == "int8"
+        layout = native_q4_layout(codes, self.scale_zeros) if fits and not int8 else (None, None)
         self.register_buffer("q4_codes", layout[0], persistent=False)
         self.register_buffer("q4_sz", layout[1], persistent=False)
+        layout = native_w4a8_layout(codes, scale, zero) if fits and int8 else (None, None)
+        self.register_buffer("i8_codes", layout[0], persistent=False)
+        self.register_buffer("i8_dm", layout[1], persistent=False)
 
     def use_native(self, ops) -> bool:
         """Compute with the native 4-bit product of `ops` (the fused kernels' module; None: torch's
-        kernel). Returns whether it is in use."""
-        self.native = ops if ops is not None and self.q4_codes is not None and hasattr(ops, "q4_mm") else None
+        kernel): `q4_mm`, or with int8 activations `q4i8_mm`. Returns whether it is in use."""
+        if self.activations == "int8":
+            ok = ops is not None and self.i8_codes is not None and hasattr(ops, "q4i8_mm")
+        else:
+            ok = ops is not None and self.q4_codes is not None and hasattr(ops, "q4_mm")
+        self.native = ops if ok else None
         return self.native is not None
 
     @property
@@ -161,8 +234,12 @@ class Int4(nn.Module):
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:
         """x2: (rows, in) bfloat16 -> (rows, out) bfloat16, as the kernel computes it (no padding)."""
+        if self.native is not None and self.activations == "int8":
+            return self.native.q4i8_mm(x2, self.i8_codes, self.i8_dm)
         if self.native is not None:
             return self.native.q4_mm(x2, self.q4_codes, self.q4_sz)
+        if self.activations == "int8":
+            raise RuntimeError("int8 activations (w4a8) need the native kernels: `use_native` found none")
         if x2.device.type == "cpu":
             return torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scale_zeros)
         return torch._weight_int4pack_mm(x2, self.packed, self.group, self.scale_zeros)
@@ -181,19 +258,30 @@ class Int4(nn.Module):
     def spec(self, kernel: str = "") -> tuple[list[torch.Tensor], list[int]]:
         """This product for the native kernels (csrc/decode_ops.cpp `Product`): the native 4-bit
         product where in use, else torch's int4 kernel with the probed padding."""
+        if self.native is not None and self.activations == "int8":
+            return [self.i8_codes, self.i8_dm], [7, self.group, 1]
         if self.native is not None:
             return [self.q4_codes, self.q4_sz], [6, self.group, 1]
         return [self.packed, self.scale_zeros], [2, self.group, self.min_rows]
 
     @classmethod
-    def quantized(cls, w: torch.Tensor, device=None) -> "Int4 | None":
+    def quantized(cls, w: torch.Tensor, device=None, ops=None) -> "Int4 | None":
         """A float (out, in) matrix in 4 bits (`quantize_q4`), or None when `in` is not a multiple of
-        GROUP (the kernel's group size): what drafts use to decode beside a q4 backbone."""
-        return cls(*quantize_q4(w), device=device) if w.shape[1] % GROUP == 0 else None
+        GROUP (the kernel's group size): what drafts use to decode beside a q4 or w4a8 backbone. With
+        `ops` (the fused kernels beside a w4a8 backbone), the integer product where its shape fits."""
+        if w.shape[1] % GROUP:
+            return None
+        int8 = ops is not None and hasattr(ops, "q4i8_mm") and w.shape[0] % 16 == 0
+        m = cls(*quantize_q4(w), device=device, activations="int8" if int8 else "bfloat16")
+        if int8:
+            m.use_native(ops)
+        return m
 
     def dense(self) -> torch.Tensor:
         """[in, out] float32 weights, as the kernel sees them (the identity through the kernel)."""
         eye = torch.eye(self.in_features, dtype=self.dtype, device=self.packed.device)
+        if self.activations == "int8":  # the weights themselves (an identity through int8 rows is not exact)
+            return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self.scale_zeros).float()
         return self(eye).float()
 
     def make_transposed(self) -> None:

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 
 from components.model import native
 from components.model.kernels import KERNELS, PRODUCTS, KernelPlan, matmul
-from components.model.linear import Dense, Int4, Int8Rows, Packed
+from components.model.linear import Dense, Int4, Int8Blocks, Int8Rows, Packed, quantize_q8
 from components.model.tuner import plan_for
-from pipeline.core import StepBatch
+from pipeline.core import StepBatch, UserError
 
 HEADS = ("dtype", "int8")  # model.head: the LM head in the model's precision, or (q4) also an 8-bit candidate
 
@@ -249,6 +249,9 @@ class Transformer(nn.Module):
         self.lm_head = nn.Parameter(torch.empty(args.dim, args.vocab_size))
         self.register_buffer("inv_freq", rope_inv_freq(args).float(), persistent=False)
         self.head_q8: nn.Module | None = None  # q4 mode: the LM head in 8 bits where measured faster
+        self.activations = "bfloat16"  # what the 4-bit matrices multiply: bfloat16 (q4) or int8 (w4a8)
+        self.head_blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # w4a8: the head's Q8_0 codes, d as shipped
+        self.head_w8: nn.Module | None = None  # w4a8 with the fused kernels: the head's integer product (Int8Blocks)
         self.native = None  # the fused kernels' module (`use_native`), None: the pure-torch path
         self.head_packed = Packed()  # the native product's layout of `head_t`
         self.taps: tuple[int, ...] = ()  # layers whose input states a full forward keeps (`tap`)
@@ -281,7 +284,7 @@ class Transformer(nn.Module):
     def precision(self) -> str:
         """float32, bfloat16 or q4 (4-bit layer matrices, bfloat16 activations)."""
         if any(not isinstance(m, Dense) for blk in self.layers for m in blk.matrices()):
-            return "q4"
+            return "w4a8" if self.activations == "int8" else "q4"
         return str(self.dtype).removeprefix("torch.")
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
@@ -375,6 +378,8 @@ class Transformer(nn.Module):
         """Whether `logits` takes the native bfloat16 product for this many rows."""
         wt = self.head_t
         int8 = self.plan.kernel("head", rows) == "int8" and self.head_q8 is not None
+        if self.head_w8 is not None:
+            return True
         return self.native is not None and not int8 and wt is not None and wt.shape[0] % 4 == 0
 
     def torch_products(self) -> list[str]:
@@ -392,10 +397,18 @@ class Transformer(nn.Module):
         before KV managers are made: it decides `attn_dtype`."""
         ok = enable and self.dtype == torch.bfloat16 and self.device.type == "cpu"
         self.native = native.load() if ok else None
+        if self.activations == "int8" and (self.native is None or not hasattr(self.native, "q4i8_mm")):
+            why = "model.native=false" if not enable else native.why() or "no integer products in this build"
+            raise UserError(f"model.dtype=w4a8 runs on the fused native kernels ({why}): build them with "
+                            "`make setup` and keep model.native=true, or use model.dtype=q4")
         for blk in self.layers:
             for m in blk.matrices():
                 if isinstance(m, Int4):
                     m.use_native(self.native)
+        self.head_w8 = None
+        if self.activations == "int8" and self.head_t is not None and Int8Blocks.fits(self.head_t):
+            codes, d = self.head_blocks if self.head_blocks is not None else quantize_q8(self.head_t.float())
+            self.head_w8 = Int8Blocks(codes, d, self.native)
         return self.native is not None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -404,6 +417,8 @@ class Transformer(nn.Module):
         rows = hidden.numel() // hidden.shape[-1]
         wt, plan = self.head_t, self.plan
         kernel = plan.kernel("head", rows)
+        if self.head_w8 is not None:  # w4a8: the head's Q8_0 blocks times int8 rows, float32 logits
+            return self.head_w8(hidden)
         if kernel == "int8" and self.head_q8 is not None:
             return self.head_q8(hidden).float()
         if self.native_head(rows):  # float32 logits, never rounded

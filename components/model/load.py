@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file
 
 from components.model import cost_model, gguf
-from components.model.assemble import Q4, assemble, build, cache_dir, check_precision, resolve_device
+from components.model.assemble import FOUR_BIT, Q4, assemble, build, cache_dir, check_precision, resolve_device
 from components.model.linear import quantize_q4
 from components.model.llama import LlamaArgs, Transformer, decoding_choices
 from pipeline.core import UserError, atomic_write
@@ -176,7 +176,7 @@ def _from_gguf(path: Path, precision: str, device: torch.device, head: str, kern
     args = f.args()
     layers = [f.matrices(args, i) for i in range(args.n_layers)]
     four_bit = all(t.kind in ("Q4_0", "Q4_1") for parts in layers for ps in parts.values() for t, _ in ps)
-    precision, costs = resolve_precision(precision, ["float32", "bfloat16"] + ["q4"] * four_bit, args, device, **auto)
+    precision, costs = resolve_precision(precision, ["float32", "bfloat16"] + list(FOUR_BIT) * four_bit, args, device, **auto)
     weights = {"tok_embeddings.weight": f.vector("token_embd.weight"), "norm.weight": f.vector("output_norm.weight")}
     weights["lm_head"] = (weights["tok_embeddings.weight"] if args.tie_embeddings else f.vector("output.weight")).t()
     q4: Q4 = {}
@@ -190,16 +190,18 @@ def _from_gguf(path: Path, precision: str, device: torch.device, head: str, kern
         if args.o_bias:
             weights[p + "bo"] = f.vector(b + "attn_output.bias")
         for n, ps in parts.items():
-            blocks = gguf.blocks(ps) if precision == "q4" else None
+            blocks = gguf.blocks(ps) if precision in FOUR_BIT else None
             if blocks is not None:
                 q4[p + n] = (blocks.codes, blocks.scale, blocks.zero)
-            elif precision == "q4":  # a matrix the file does not ship in 4 bits: quantized at load
+            elif precision in FOUR_BIT:  # a matrix the file does not ship in 4 bits: quantized at load
                 q4[p + n] = quantize_q4(gguf.dense(ps))
             else:
                 weights[p + n + ".weight"] = gguf.dense(ps).t()
     wqkv0 = weights.get("layers.0.wqkv.weight")
     wqkv0 = gguf.dense(layers[0]["wqkv"]).t() if wqkv0 is None else wqkv0
-    model = assemble(args, weights, q4, precision, device, wqkv0, head=head, kernels=kernels)
+    head_blocks = gguf.q8_blocks(f.raw("token_embd.weight" if args.tie_embeddings else "output.weight")) \
+        if precision == "w4a8" else None
+    model = assemble(args, weights, q4, precision, device, wqkv0, head=head, kernels=kernels, head_blocks=head_blocks)
     return model, _load_tokenizer(_gguf_tokenizer_dir(path), None), costs
 
 

@@ -41,12 +41,16 @@ def candidates(model) -> dict[str, dict[str, list]]:
     out: dict[str, dict[str, list]] = {}
     for name in PRODUCTS[:-1]:
         mats = [getattr(b, name) for b in model.layers]
+        if getattr(mats[0], "activations", "") == "int8":
+            continue  # w4a8: the native integer product, invariant by construction (nothing to choose)
         if all(isinstance(m, Dense) for m in mats):
             out[name] = {k: [lambda x, m=m, k=k: matmul(x, m.weight, m.weight_t, k) for m in mats]
                          for k in dense_kernels(model.dtype)}
         else:
             out[name] = {"int4": [lambda x, m=m: m.product(x) for m in mats]}
     w, wt = model.lm_head, (model.tok_embeddings.weight if model.args.tie_embeddings else model.lm_head_t)
+    if model.activations == "int8" and wt.shape[0] % 16 == 0 and wt.shape[1] % 32 == 0:
+        return out  # and its head: Q8_0 blocks times int8 rows (Int8Blocks)
     out["head"] = {k: [lambda x, k=k: matmul(x, w, wt, k)] for k in dense_kernels(model.dtype)}
     if getattr(model, "head_q8", None) is not None:
         out["head"]["int8"] = [model.head_q8.product]
@@ -70,8 +74,10 @@ def measure(model) -> KernelPlan:
     counts, one kernel for every row count. Where no pair is invariant, min_rows is 0 and the
     product is reported (`KernelPlan.lossy`)."""
     dt = model.dtype
-    kernels, min_rows = {}, {}
-    for product, options in candidates(model).items():
+    options_of = candidates(model)
+    kernels = {p: {b: "native" for b in (*BUCKETS, 0)} for p in PRODUCTS if p not in options_of}
+    min_rows = {p: 1 for p in kernels}  # the products the native integer kernels compute (w4a8)
+    for product, options in options_of.items():
         k = in_features(model, product)
         xs = {b: torch.randn(b, k, dtype=dt) for b in BUCKETS}
         if dt == torch.float32:

@@ -606,10 +606,13 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor sz) {
   return product_path() == "amx" ? q4_mm_amx(x, codes, sz, N) : q4_mm_dot(x, codes, sz, N);
 }
 
+#include "w4a8.h"
+
 // A product y = x W as the plan computes it: kind 0 `x @ W` on [in, out], 1 `linear` on [out, in],
 // 2 torch's int4 kernel (a = packed, b = scales and zeros), 3 torch's int8 kernel (a = codes, b = row
 // scales), 5 the native bfloat16 product (`bf16_mm`, a = W [out, in] or packed); x padded with zero rows to
-// `min_rows` first; 6 the native 4-bit product (`q4_mm`, a = codes, b = scales and zeros).
+// `min_rows` first; 6 the native 4-bit product (`q4_mm`, a = codes, b = scales and zeros); 7 the w4a8 integer product
+// (`q4i8_mm`, a = codes, b = d and m).
 struct Product {
   int64_t kind;
   torch::Tensor a, b;
@@ -631,6 +634,7 @@ torch::Tensor apply(const Product& p, torch::Tensor x) {  // x: (n, in) -> (n, o
     case 3: y = at::_weight_int8pack_mm(x.contiguous(), p.a, p.b); break;
     case 5: y = bf16_mm(x, p.a, true); break;
     case 6: y = q4_mm(x, p.a, p.b); break;
+    case 7: y = q4i8_mm(x, p.a, p.b, false); break;
     default: TORCH_CHECK(false, "unknown product kind ", p.kind);
   }
   return y.size(0) == n ? y : y.narrow(0, 0, n);
@@ -765,6 +769,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("bf16_mm", &bf16_mm);
   m.def("q4_mm", &q4_mm);
+  m.def("q4i8_mm", &q4i8_mm, py::arg("x"), py::arg("codes"), py::arg("dm"), py::arg("ref") = false);
+  m.def("q8i8_mm", &q8i8_mm, py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("ref") = false);
+  m.def("quantize_rows", &quantize_rows_py);
+  m.def("w4a8_path", []() { return std::string(W4A8_PATH); });
   m.def("product_path", []() { return product_path(); });
   m.def("pre_attention", &pre_attention);
   m.def("attention", &attention);
