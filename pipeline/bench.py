@@ -125,7 +125,7 @@ def compose(entry: Entry, common: list[str]) -> DictConfig:
         cfg = compose_config(overrides)
     except (HydraException, OmegaConfBaseException) as e:
         raise UserError(f"decodes entry {entry.label!r}: {e}") from e
-    if entry.name in PEERS and cfg.model.get("dtype") in ("auto", "q4"):
+    if entry.name in PEERS and cfg.model.get("dtype") in ("auto", "q4", "w4a8"):
         cfg.model.dtype = "float32"
     return cfg
 

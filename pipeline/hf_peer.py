@@ -34,7 +34,7 @@ def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
     The inverse of `components.model.load.convert_hf_state_dict`. Tensors are contiguous copies:
     a peer gets the layout a user loading the checkpoint would get, not our faster one."""
     a: LlamaArgs = model.args
-    if model.precision == "q4":
+    if model.precision in ("q4", "w4a8"):
         raise UserError("the transformers peer needs dense weights: load the backbone with model.dtype=float32 "
                         "or bfloat16")
     q_out, kv_out = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim

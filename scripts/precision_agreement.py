@@ -4,7 +4,9 @@
 
 On the 24 benchmark prompts: per mode, the requests whose tokens equal float32 greedy's exactly, and
 the mean index of the first differing token (64 = never). llama.cpp on the same GGUF is included
-when it is installed (`make peers`). Prints a Markdown table (README, "Precision").
+when it is installed (`make peers`), and a second table compares every mode with llama.cpp's tokens
+(w4a8 multiplies as llama.cpp does: int8 rows in blocks of 32 against the file's Q4_1 and Q8_0
+blocks). Prints Markdown tables (README, "Precision"; docs/precision.md).
 """
 from __future__ import annotations
 
@@ -38,18 +40,25 @@ def main():
     n = int(sys.argv[1].split("=")[1]) if len(sys.argv) > 1 else 64
     bb = from_pretrained(dtype="float32")
     prompts = [encode(bb.tokenizer, r, True) for r in load_requests(str(DEFAULT_INPUT), None)]
-    ref = greedy(bb, "float32", prompts, n)
+    got = {"float32": greedy(bb, "float32", prompts, n)}
     eos = bb.eos_ids
     del bb
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {len(prompts)} prompts x {n} tokens\n")
-    print("| precision | requests identical to float32 greedy | mean first differing position (identical: its length) |")
-    print("|---|---:|---:|")
-    print(row("float32", ref, ref, n))
-    for dtype in ("bfloat16", "q4"):
-        print(row(dtype, greedy(from_pretrained(dtype=dtype), dtype, prompts, n), ref, n), flush=True)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    print(f"{cpu}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {len(prompts)} prompts x {n} tokens\n")
+    for dtype in ("bfloat16", "q4", "w4a8"):
+        got[dtype] = greedy(from_pretrained(dtype=dtype), dtype, prompts, n)
     if llama_cpp_peer.available():
         peer = llama_cpp_peer.LlamaCppPeer(smollm2_gguf(), eos, n)
-        print(row("llama.cpp (same GGUF)", [g.token_ids for g in peer.run(prompts)], ref, n))
+        got["llama.cpp (same GGUF)"] = [g.token_ids for g in peer.run(prompts)]
+    for ref_name in ["float32", "llama.cpp (same GGUF)"]:
+        if ref_name not in got:
+            continue
+        print(f"| precision | requests identical to {ref_name} greedy | mean first differing position (identical: its length) |")
+        print("|---|---:|---:|")
+        for name, tokens in got.items():
+            if name != ref_name:
+                print(row(name, tokens, got[ref_name], n))
+        print()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What a decode step costs per precision, and how far a plain step is from the bytes-per-token floor.
 
-    python scripts/step_costs.py [context=128] [dtypes=float32,bfloat16,q4]
+    python scripts/step_costs.py [context=128] [dtypes=float32,bfloat16,q4,w4a8]
 
 For each precision: the wall time of one target forward over R rows (a plain step of one sequence
 at R = 1; a tree of R nodes) on a cached context, LM head included, median of 20; the ratio of each
@@ -43,7 +43,13 @@ def bandwidth() -> float:
     return 2 * a.numel() / (ms * 1e-3) / 1e9
 
 
+def nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
 def matrix_bytes(m) -> int:
+    if isinstance(m, Int4) and m.activations == "int8":  # the integer product's layout: 4-bit codes, float16 d and m
+        return nbytes(m.i8_codes, m.i8_dm)
     if isinstance(m, Int4):
         return m.packed.numel() * m.packed.element_size() + m.scale_zeros.numel() * m.scale_zeros.element_size()
     return m.weight.numel() * m.weight.element_size()
@@ -53,7 +59,7 @@ def matrix_bytes(m) -> int:
 def main():
     opts = dict(a.split("=", 1) for a in sys.argv[1:])
     ctx = int(opts.get("context", 128))
-    dtypes = opts.get("dtypes", "float32,bfloat16,q4").split(",")
+    dtypes = opts.get("dtypes", "float32,bfloat16,q4,w4a8").split(",")
     bw = bandwidth()
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(f"{cpu}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
@@ -89,7 +95,7 @@ def main():
                                       [:, :a.hidden_dim]) for blk in m.layers])
         head = timed(lambda: m.logits(x1))
         weights = sum(matrix_bytes(mm) for blk in m.layers for mm in blk.matrices())
-        head_bytes = m.tok_embeddings.weight.numel() * m.tok_embeddings.weight.element_size()
+        head_bytes = nbytes(m.head_w8.codes, m.head_w8.d) if m.head_w8 is not None else nbytes(m.head_t)
         kv_bytes = ctx * kv.slot_bytes
         total = weights + head_bytes + kv_bytes
         floors.append((dtype, total, total / bw / 1e6, ms[1], mats, head))

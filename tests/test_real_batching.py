@@ -1,4 +1,4 @@
-"""The lossless invariant on the real model, in every precision: on the first 12 of the 24 benchmark
+"""The lossless invariant on the real model, in every precision (w4a8 also under the AVX2 stand-in): on the first 12 of the 24 benchmark
 prompts x 64 tokens in q4 (float32, bfloat16, tree_eagle and self_spec: the first 8), greedy at batch 8 and every tree preset (tree_medusa and tree_eagle
 with the shipped drafts) give the tokens of plain greedy decoding (batch 1)
 in the same precision, with kv=paged and kv=contiguous, with batch_size=8 and batch_size=1.
@@ -23,8 +23,11 @@ RUNS = [("float32", "greedy", "paged", 8), ("float32", "tree_ngram", "contiguous
         ("q4", "greedy", "paged", 8), ("q4", "tree_ngram", "contiguous", 1),
         ("q4", "tree_medusa", "paged", 8), ("q4", "self_spec", "contiguous", 1),
         ("bfloat16", "greedy", "contiguous", 8), ("bfloat16", "tree_medusa", "paged", 1),
-        ("float32", "tree_eagle", "paged", 8), ("q4", "tree_eagle", "contiguous", 1)]  # q4: the 4-bit draft
-PROMPTS = {"float32": 8, "q4": 12, "bfloat16": 8}  # float32 runs the most cases, bfloat16 is the slowest per token
+        ("float32", "tree_eagle", "paged", 8), ("q4", "tree_eagle", "contiguous", 1),  # q4: the 4-bit draft
+        ("w4a8", "greedy", "paged", 8), ("w4a8", "tree_eagle", "paged", 8), ("w4a8", "tree_medusa", "contiguous", 1),
+        ("w4a8", "tree_ngram", "paged", 1), ("w4a8", "self_spec", "contiguous", 8)]  # w4a8: the integer products, drafts too
+PROMPTS = {"float32": 8, "q4": 12, "bfloat16": 8, "w4a8": 8}  # float32 runs the most cases, bfloat16 is the slowest per token
+STAND_IN = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 FEWER = {"tree_eagle": 8, "self_spec": 8}  # prompts for the slowest runs (16-draft float32 trees, self-speculation)
 
 _backbones: dict = {}
@@ -75,3 +78,21 @@ def test_bench_prompts_equal_plain_greedy(real_backbone, bench_prompts, dtype, p
     assert engine.kv.sequences == [] and engine.kv.stats()["bytes_in_use"] == 0
     if preset != "greedy":
         assert sum(g.steps for g in gens) < sum(len(g.token_ids) for g in gens), "no draft was ever accepted"
+
+
+@pytest.mark.slow
+def test_w4a8_under_the_avx2_stand_in():
+    """The integer products' AVX2 path (what a Zen 3 runs) keeps the invariant too: greedy at batch 8
+    and a 16-draft EAGLE tree equal batch-1 greedy, in a process that takes the stand-in's kernels."""
+    import os
+    import subprocess
+    import sys
+    from components.model import native
+    if native.load() is None or native.load().w4a8_path() in ("avx2", "scalar"):
+        pytest.skip("this process already runs the AVX2 kernels (or none)")
+    here = os.path.dirname(__file__)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.join(here, "test_real_batching.py"), "-k", "w4a8 and (greedy or tree_eagle)"],
+                       cwd=os.path.dirname(here), env={**os.environ, **STAND_IN},
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "2 passed" in r.stdout, (r.stdout + r.stderr)[-3000:]

@@ -193,28 +193,31 @@ class EagleDraft(nn.Module):
             self._lm_t = self.lm_weight.t().contiguous()
         return f @ self._lm_t
 
-    def quantize_for_decoding(self) -> "EagleDraft":
+    def quantize_for_decoding(self, ops=None) -> "EagleDraft":
         """Decoding beside a q4 backbone: the input projection, the layer's matrices and the draft LM
         head stored as the backbone's are, 4-bit groups of 32 (components/model/linear.py `Int4`: the weight-only int4
         kernel, bfloat16 inside, float32 around). Each draft depth then reads ~5 MB of weights, not ~36:
         a depth costs a fraction of a verification row. A draft's rounding moves which tokens are
-        proposed, never which are committed. Not for training (the matrices are no longer parameters)."""
+        proposed, never which are committed. Not for training (the matrices are no longer parameters).
+        ops: the fused kernels beside a w4a8 backbone: the matrices then multiply int8 rows, as its do."""
         device = self.lm_weight.device
         for name in ("fc", "fuse") if self.fused else ("fc",):  # the input projections, (dim, 2 dim) and (dim, k dim)
-            q4 = Int4.quantized(getattr(self, name).weight, device)
+            q4 = Int4.quantized(getattr(self, name).weight, device, ops)
             if q4 is not None:
                 setattr(self, name, q4)
         for name in Block.MATRICES:
-            q4 = Int4.quantized(getattr(self.block, name).dense().t(), device)
+            q4 = Int4.quantized(getattr(self.block, name).dense().t(), device, ops)
             if q4 is not None:
                 setattr(self.block, name, q4)
-        self._lm_q4 = Int4.quantized(self.lm_weight, device)
+        self._lm_q4 = Int4.quantized(self.lm_weight, device, ops)
         return self
 
     @property
     def storage(self) -> str:
-        """How the draft decodes: q4 after quantize_for_decoding, else float32."""
-        return "float32" if self._lm_q4 is None else "q4"
+        """How the draft decodes: q4 (or w4a8) after quantize_for_decoding, else float32."""
+        if self._lm_q4 is None:
+            return "float32"
+        return "w4a8" if self._lm_q4.activations == "int8" else "q4"
 
     @torch.inference_mode()
     def step(self, batch, kv, feats: torch.Tensor) -> torch.Tensor:

@@ -91,18 +91,21 @@ class MedusaHeads(nn.Module):
             ids, logp = ids[0], logp[0]
         return (ids, logp) if with_logprobs else ids
 
-    def quantize_for_decoding(self) -> "MedusaHeads":
+    def quantize_for_decoding(self, ops=None) -> "MedusaHeads":
         """Decoding beside a q4 backbone: the shared projection stored as the backbone's matrices are,
         4-bit groups of 32 (components/model/linear.py `Int4`), ~4x fewer bytes read per step than
-        float32. Moves which tokens are drafted, never which are committed. Not for training."""
+        float32. Moves which tokens are drafted, never which are committed. Not for training. ops: the
+        fused kernels beside a w4a8 backbone (int8 rows, as its matrices multiply)."""
         if self.proj is None:
-            self._infer_q4 = Int4.quantized(self.shared_weight, self.shared_weight.device)
+            self._infer_q4 = Int4.quantized(self.shared_weight, self.shared_weight.device, ops)
         return self
 
     @property
     def storage(self) -> str:
-        """How the projection decodes: q4 after quantize_for_decoding, else float32."""
-        return "float32" if self._infer_q4 is None else "q4"
+        """How the projection decodes: q4 (or w4a8) after quantize_for_decoding, else float32."""
+        if self._infer_q4 is None:
+            return "float32"
+        return "w4a8" if self._infer_q4.activations == "int8" else "q4"
 
     # --- checkpoints: components/heads/checkpoint.py --------------------------------------------
     def save(self, path: str | Path, meta: dict) -> Path:

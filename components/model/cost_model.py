@@ -12,9 +12,10 @@ import torch
 
 from components.kv.contiguous import ContiguousKV
 from components.model import native as native_mod
-from components.model.assemble import build
+from components.model.assemble import FOUR_BIT, build
 from components.model.kernels import dense_kernels, matmul
-from components.model.linear import Dense, Int4, native_bf16_layout, quantize_q4
+from components.model.linear import (Dense, Int4, native_bf16_layout, native_w4a8_layout, native_w8a8_layout, quantize_q4,
+                                     quantize_q8)
 from components.model.llama import Transformer
 from components.model.tuner import best_time, machine_parts, min_invariant_rows
 from pipeline.core import StepBatch, atomic_write, forward_step
@@ -26,7 +27,7 @@ def _precision_key(args, device: torch.device, native: bool) -> str:
     """Machine, model shape, and the native build measured (its key digests the kernels' source and
     flags: new kernels are measured again, never judged by an old build's times)."""
     parts = [*machine_parts(device), f"{args.n_layers}x{args.dim}x{args.hidden_dim}x{args.n_heads}x{args.n_kv_heads}",
-             str(args.vocab_size), f"native={native_mod.key() if native else False}", "precision-v8"]
+             str(args.vocab_size), f"native={native_mod.key() if native else False}", "precision-v9"]
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -82,7 +83,19 @@ def _precision_cost(mode: str, args, shapes, device, sync, rows: int, ops, invar
         # A step reads each layer's own weights once, from memory: time every layer's copy in turn, as
         # the step does (one matrix alone would sit in the cache, and favour the precision with more bytes).
         copies = 1 if head else args.n_layers
-        if mode == "q4" and not head:
+        if mode == "w4a8":  # the integer products: layers' Q4_1 and the head's Q8_0 blocks times int8 rows
+            if ops is None or not hasattr(ops, "q4i8_mm"):
+                raise RuntimeError("w4a8 needs the native kernels")
+            wt = w.t().contiguous()
+            if head:
+                layouts = [native_w8a8_layout(*quantize_q8(wt))]
+                fns = {"native": lambda x, ls=layouts: [ops.q8i8_mm(x, c, d) for c, d in ls]}
+            else:
+                codes, scale, zero = quantize_q4(wt)
+                layouts = [tuple(t.clone() for t in native_w4a8_layout(codes, scale, zero)) for _ in range(copies)]
+                fns = {"native": lambda x, ls=layouts: [ops.q4i8_mm(x, c, d) for c, d in ls]}
+            native_product, dt = True, torch.bfloat16
+        elif mode == "q4" and not head:
             m = Int4(*quantize_q4(w.t().cpu()), device=device)
             native_product = m.use_native(ops)  # as Transformer.use_native
             if native_product:
@@ -93,7 +106,7 @@ def _precision_cost(mode: str, args, shapes, device, sync, rows: int, ops, invar
                 fns = {"int4": lambda x, ms_=ms_: [mi.product(x) for mi in ms_]}
             dt = torch.bfloat16
         else:
-            dt = torch.bfloat16 if mode == "q4" else getattr(torch, mode)
+            dt = torch.bfloat16 if mode in FOUR_BIT else getattr(torch, mode)
             ws = [(w.to(dt), w.t().contiguous().to(dt)) for _ in range(copies)]
             native_product = ops is not None and dt == torch.bfloat16 and n % 4 == 0  # as Dense.native_ok
             if native_product:  # in the layout it reads; the head's logits stay float32, a layer's outputs are rounded to bfloat16

@@ -45,6 +45,7 @@ from typing import Callable
 
 import torch
 
+from components.model.assemble import FOUR_BIT
 from components.heads.eagle import EagleDraft
 from components.proposer.policy import best_prefix, measured_costs
 from pipeline.core import DecodeState, KVManager, Proposer, StepBatch, Tree, UserError, forward_step, positive_int
@@ -97,8 +98,8 @@ class EagleProposer(Proposer):
                 raise UserError(f"draft {path} fuses layers {list(self.draft.fuse_layers)}, and the backbone already keeps "
                                 f"layers {list(model.taps)} for another draft: decode with drafts that fuse the same layers")
             model.tap(self.draft.fuse_layers)
-        if backbone.model.precision == "q4":  # a float32 draft depth costs ~40% of a q4 step here, an int4 one ~6%
-            self.draft.quantize_for_decoding()
+        if backbone.model.precision in FOUR_BIT:  # a float32 draft depth costs ~40% of a q4 step here, an int4 one ~6%
+            self.draft.quantize_for_decoding(backbone.model.native if backbone.model.precision == "w4a8" else None)
         self.checkpoint_path = path
         self.width, self.depth, self.max_nodes, self.p_min = width, depth, max_nodes, float(p_min)
         a = self.draft.args
@@ -111,6 +112,11 @@ class EagleProposer(Proposer):
         self.sized = {"steps": 0, "drafts": 0, "plain": 0}
         if self.auto:
             self._measure()
+
+    @property
+    def prompt_states(self) -> bool:
+        """A draft trained with prompt context caches every prompt pair: its prompts are prefilled whole."""
+        return self.context
 
     def describe(self) -> dict:
         """Its "tree": the tree it grows, and under nodes=auto how it sized them in this run."""

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from components.model.assemble import FOUR_BIT
 from components.heads.medusa import MedusaHeads
 from components.proposer.policy import size_tree
 from pipeline.core import DecodeState, Proposer, StaticTree, Tree, UserError, dynamic_tree, positive_int
@@ -52,8 +53,8 @@ class MedusaProposer(Proposer):
             raise UserError(f"no Medusa heads are shipped for model {backbone.name!r}: train them with "
                             "`python -m pipeline.train` and pass proposer.checkpoint=<run dir>/heads.safetensors")
         self.heads = MedusaHeads.load(path, backbone)
-        if backbone.model.precision == "q4":  # the draft projection in 4 bits too (~4x fewer bytes per step)
-            self.heads.quantize_for_decoding()
+        if backbone.model.precision in FOUR_BIT:  # the draft projection in 4 bits too (~4x fewer bytes per step)
+            self.heads.quantize_for_decoding(backbone.model.native if backbone.model.precision == "w4a8" else None)
         self.checkpoint_path = path
         self.dynamic = bool(dynamic)
         if self.dynamic:
