@@ -170,7 +170,11 @@ def build_engine(cfg: DictConfig, backbone=None, with_constraint: bool = True) -
     notice = backbone.lossless_notice(is_speculative(cfg), batch > 1)
     if notice:
         print(notice, file=sys.stderr)
-    parts = dict(model=backbone.model, kv=component(cfg.kv, backbone), sampler=component(cfg.sampler, backbone),
+    kv = component(cfg.kv, backbone)
+    if OmegaConf.select(cfg, "kv.prefix_cache") and not kv.stats()["prefix_cache"]:
+        print(f"kv.prefix_cache is off: {backbone.precision} has no batch-invariant path here (a cached prefix could "
+              "change the tokens), so every prompt is prefilled whole", file=sys.stderr)
+    parts = dict(model=backbone.model, kv=kv, sampler=component(cfg.sampler, backbone),
                  eos_ids=backbone.eos_ids, max_new_tokens=mnt, seed=int(cfg.seed), batch_size=batch,
                  constraint=None if configured is None else configured.build(backbone))
     drafts = build_drafts(cfg, backbone)

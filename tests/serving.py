@@ -22,10 +22,11 @@ MAX_TOKENS = 24
 
 
 @contextlib.contextmanager
-def live_server(*overrides: str):
-    """A server on a free port of 127.0.0.1, run on a thread of this process."""
+def live_server(*overrides: str, backbone=None):
+    """A server on a free port of 127.0.0.1, run on a thread of this process (over `backbone`, one
+    already loaded, where given: then the overrides name its model)."""
     cfg = compose_config(["model=tiny", "port=0", "~guard", *overrides], config_name="serve")
-    server = build_server(cfg)
+    server = build_server(cfg, backbone)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -33,7 +33,7 @@ class ContiguousKV(SequencePool):
         self._free = sorted(self._free + list(range(old.shape[2], slots)))
         self.capacity = capacity
 
-    def create(self) -> int:
+    def create(self, prompt: list[int] | None = None) -> int:  # no prefix cache: always empty
         if not self._free:
             self._grow(max(1, 2 * self.buf.shape[2]), self.capacity)
         seq = self._new_id()

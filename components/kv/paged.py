@@ -9,10 +9,23 @@ layer. A sequence's slot s lives in block table[s // block_size] at offset s % b
 - Blocks past a sequence's used slots go back to the free list at once (commit, discard, truncate,
   free); the free list hands out the lowest id first, so a lone sequence's blocks are usually
   consecutive and its attention reads a view of the pool instead of gathering its blocks.
+- Prefix cache (`prefix_cache`, vLLM's automatic prefix caching): a sequence created for a prompt,
+  `create(prompt)`, keeps the token of every slot it holds; each of its blocks, once full and
+  committed, is registered under a chain key, key_i = H(key_{i-1}, tokens of block i), which names
+  the block's tokens and everything before them. `create(prompt)` takes a reference to each block
+  of the longest registered chain the prompt begins with (never its last token, whose logits the
+  caller needs) and starts the sequence with those slots committed: the caller prefills the rest.
+  A registered block that no sequence holds any more stays cached (idle); idle blocks are taken
+  back least recently freed first, only when the free list is empty, before the pool grows. A
+  sequence's KV depends on its tokens alone only where the backbone is batch-invariant (a row's
+  bits do not depend on the rows computed with it), so the cache is on only there.
 """
 from __future__ import annotations
 
+import hashlib
 import heapq
+from array import array
+from collections import OrderedDict
 
 import torch
 
@@ -20,13 +33,26 @@ from components.kv.base import SequencePool
 from pipeline.core import KVPlan, positive_int
 
 
+ROOT = b""  # the chain key before a sequence's first block
+
+
+def chain_key(parent: bytes, tokens: list[int]) -> bytes:
+    """The key of a full block: its tokens after the block keyed `parent` (ROOT for the first)."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
 class PagedKV(SequencePool):
     def __init__(self, backbone=None, block_size: int = 16, num_blocks: int = 128, n_layers: int | None = None,
                  n_kv_heads: int | None = None, head_dim: int | None = None, dtype: torch.dtype | None = None,
-                 device=None):
-        """num_blocks: the pool's initial size; it doubles when a step needs more."""
+                 device=None, prefix_cache: bool = False):
+        """num_blocks: the pool's initial size; it doubles when a step needs more. prefix_cache:
+        keep full blocks of prompts and answers for later prompts that begin with them; on only
+        where `backbone` is batch-invariant (`Backbone.batch_invariant`; a pool given its shapes
+        alone takes the caller's word)."""
         for name, v in (("block_size", block_size), ("num_blocks", num_blocks)):
             positive_int(v, f"kv.{name}")
+        if not isinstance(prefix_cache, bool):
+            raise ValueError(f"`kv.prefix_cache` must be true or false, got {prefix_cache!r}")
         super().__init__(backbone, n_layers, n_kv_heads, head_dim, dtype, device)
         self.block_size = block_size
         self.pool = torch.zeros(self.n_layers, 2, num_blocks, block_size, self.n_kv, self.hs, dtype=self.dtype, device=self.device)
@@ -35,9 +61,22 @@ class PagedKV(SequencePool):
         self.tables: dict[int, list[int]] = {}
         self.peak_blocks = 0
         self.cow_copies = 0
+        self.prefix_cache = prefix_cache and getattr(backbone, "batch_invariant", True)
+        self.cached: dict[bytes, int] = {}  # chain key -> its registered block
+        self._key_of: dict[int, bytes] = {}  # registered block -> its chain key
+        self._idle: OrderedDict[int, None] = OrderedDict()  # registered blocks no sequence holds, least recently freed first
+        self._tok: dict[int, list[int]] = {}  # a prompt's sequence: the token of every slot it holds
+        self._keys: dict[int, list[bytes]] = {}  # ... and the chain keys of its full committed blocks
+        self.prefix_queries = self.prefix_hits = self.evictions = 0  # prompt tokens looked up, found; blocks evicted
 
     # --- blocks ----------------------------------------------------------------------------------
     def _alloc(self) -> int:
+        if not self._free and self._idle:  # the least recently freed cached block goes
+            b, _ = self._idle.popitem(last=False)
+            del self.cached[self._key_of.pop(b)]
+            self.evictions += 1
+            self.ref[b] = 1
+            return b
         if not self._free:
             n = self.pool.shape[2]
             grown = torch.zeros(self.n_layers, 2, 2 * n, self.block_size, self.n_kv, self.hs, dtype=self.dtype, device=self.device)
@@ -54,26 +93,94 @@ class PagedKV(SequencePool):
         if self.ref[b] < 0:
             raise RuntimeError(f"block {b} released more often than it was held")
         if self.ref[b] == 0:
-            heapq.heappush(self._free, b)
+            if b in self._key_of:
+                self._idle[b] = None
+            else:
+                heapq.heappush(self._free, b)
+
+    def _hold(self, b: int) -> None:
+        """One more reference to a registered block (taken back from the idle ones if none held it)."""
+        if self.ref[b] == 0:
+            del self._idle[b]
+        self.ref[b] += 1
 
     @property
     def blocks_in_use(self) -> int:
-        return self.pool.shape[2] - len(self._free)
+        """Blocks some sequence holds (idle cached blocks are not in use: the pool takes them back)."""
+        return self.pool.shape[2] - len(self._free) - len(self._idle)
 
     def _note_peak(self) -> None:
         self.peak_blocks = max(self.peak_blocks, self.blocks_in_use)
         super()._note_peak()
 
     def _release_tail(self, seq: int) -> None:
-        table = self.tables[seq]
-        keep = -(-self.used(seq) // self.block_size)
+        table, bs = self.tables[seq], self.block_size
+        keep = -(-self.used(seq) // bs)
         while len(table) > keep:
             self._decref(table.pop())
+        full = self._len[seq] // bs
+        for b in table[full:]:  # after a truncate: a registered block this sequence alone will write into
+            if self.ref[b] == 1 and b in self._key_of:
+                del self.cached[self._key_of.pop(b)]
+        if seq in self._tok:
+            del self._tok[seq][self.used(seq):], self._keys[seq][full:]
+
+    # --- the prefix cache ------------------------------------------------------------------------
+    def _match(self, seq: int, prompt: list[int]) -> None:
+        """Start `seq` with the longest chain of registered blocks `prompt` begins with, its last
+        token excluded (the caller computes at least that one)."""
+        bs, table, keys = self.block_size, self.tables[seq], self._keys[seq]
+        for i in range((len(prompt) - 1) // bs):
+            key = chain_key(keys[-1] if keys else ROOT, prompt[i * bs:(i + 1) * bs])
+            b = self.cached.get(key)
+            if b is None:
+                break
+            self._hold(b)
+            table.append(b)
+            keys.append(key)
+        n = len(table) * bs
+        self._tok[seq] += prompt[:n]
+        self._len[seq] = n
+        self.prefix_queries += len(prompt)
+        self.prefix_hits += n
+        self._note_peak()
+
+    def _register(self, seq: int) -> None:
+        """Register the full committed blocks of a prompt's sequence not registered yet (a block
+        whose key another block holds already stays a plain block)."""
+        keys, tok, table, bs = self._keys[seq], self._tok[seq], self.tables[seq], self.block_size
+        for i in range(len(keys), self._len[seq] // bs):
+            key = chain_key(keys[-1] if keys else ROOT, tok[i * bs:(i + 1) * bs])
+            keys.append(key)
+            if key not in self.cached:
+                self.cached[key], self._key_of[table[i]] = table[i], key
+
+    def _note_tokens(self, step) -> None:
+        """The tokens of a step's rows, for the sequences that keep theirs (slot start + i: row i)."""
+        mine = [b for b, seq in enumerate(step.seqs) if seq in self._tok]
+        if mine:
+            rows = step.tokens.tolist()
+            for b in mine:
+                tok = self._tok[step.seqs[b]]
+                del tok[step.starts[b]:]
+                tok += rows[step.offsets[b]:step.offsets[b + 1]]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every registered block (idle ones go back to the free list) and the counters."""
+        for b in self._idle:
+            heapq.heappush(self._free, b)
+        self._idle.clear()
+        self.cached.clear()
+        self._key_of.clear()
+        self.prefix_queries = self.prefix_hits = self.evictions = 0
 
     # --- sequences -------------------------------------------------------------------------------
-    def create(self) -> int:
+    def create(self, prompt: list[int] | None = None) -> int:
         seq = self._new_id()
         self.tables[seq] = []
+        if prompt is not None and self.prefix_cache:
+            self._tok[seq], self._keys[seq] = [], []
+            self._match(seq, list(prompt))
         return seq
 
     def fork(self, seq: int) -> int:
@@ -84,16 +191,26 @@ class PagedKV(SequencePool):
         for b in shared:
             self.ref[b] += 1
         self.tables[new], self._len[new] = list(shared), n
+        if seq in self._tok:
+            self._tok[new], self._keys[new] = self._tok[seq][:n], list(self._keys[seq])
         return new
 
     def free(self, seq: int) -> None:
         self._drop(seq)
-        for b in self.tables.pop(seq):
+        self._tok.pop(seq, None)
+        self._keys.pop(seq, None)
+        for b in reversed(self.tables.pop(seq)):  # the tail first: a chain's last blocks are evicted before its first
             self._decref(b)
+
+    def commit(self, seq: int, keep=None) -> None:
+        super().commit(seq, keep)
+        if seq in self._tok:
+            self._register(seq)
 
     # --- a step ----------------------------------------------------------------------------------
     def begin_step(self, step) -> KVPlan:
         bs = self.block_size
+        self._note_tokens(step)
         wblk, woff, reads = [], [], []
         for seq, start, n in zip(step.seqs, step.starts, step.counts):
             table = self.tables[seq]
@@ -145,6 +262,10 @@ class PagedKV(SequencePool):
         return kp, vp, table  # (n_blocks, block_size, nkv, hs) x 2, (B, nb) int64
 
     def _move(self, seq, src, dst) -> None:
+        if seq in self._tok:  # src >= dst, both ascending: in order, nothing is read after it is overwritten
+            tok = self._tok[seq]
+            for a, b in zip(src.tolist(), dst.tolist()):
+                tok[b] = tok[a]
         bs, t = self.block_size, torch.tensor(self.tables[seq])
         # the blocks past the committed prefix were written this step: this sequence owns them
         self.pool[:, :, self._dev(t[dst // bs]), self._dev(dst % bs)] = \
@@ -166,4 +287,8 @@ class PagedKV(SequencePool):
                 "bytes_allocated": self.pool.numel() * self.dtype.itemsize,
                 "blocks_in_use": self.blocks_in_use, "peak_blocks": self.peak_blocks,
                 "shared_blocks": sum(r > 1 for r in self.ref), "free_blocks": len(self._free),
-                "block_size": self.block_size, "cow_copies": self.cow_copies}
+                "block_size": self.block_size, "cow_copies": self.cow_copies,
+                "prefix_cache": self.prefix_cache, "cached_blocks": len(self.cached), "idle_cached_blocks": len(self._idle),
+                "evicted_blocks": self.evictions, "prefix_queried_tokens": self.prefix_queries,
+                "prefix_hit_tokens": self.prefix_hits,
+                "prefix_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0}

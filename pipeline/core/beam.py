@@ -116,7 +116,7 @@ class BeamSearch(Runner):
     # --- steps -------------------------------------------------------------------------------------
     def _prefill(self, joining: list[_Request]) -> None:
         for r in joining:
-            seq = self.kv.create()
+            seq = self.kv.create(r.prompt)  # holding the prompt's cached prefix, if any
             r.beams = [_Beam(seq, [], None if r.grammar is None else r.grammar.start())]
             r.cur_len = len(r.prompt)
             n = self.num_beams
@@ -125,8 +125,9 @@ class BeamSearch(Runner):
             r.fin_scores, r.fin_done = torch.full((n,), NEG), torch.zeros(n, dtype=torch.bool)
             r.fin_tokens = [[] for _ in range(n)]
             self._live.append(r)
-        step = StepBatch.build([r.beams[0].seq for r in joining], [torch.tensor(r.prompt) for r in joining],
-                               [None] * len(joining), [None] * len(joining), [0] * len(joining), self.model.attn_dtype)
+        cached = [self.kv.length(r.beams[0].seq) for r in joining]
+        step = StepBatch.build([r.beams[0].seq for r in joining], [torch.tensor(r.prompt[c:]) for r, c in zip(joining, cached)],
+                               [None] * len(joining), [None] * len(joining), cached, self.model.attn_dtype)
         h = forward_step(self.model, self.kv, step)
         last = [o - 1 for o in step.offsets[1:]]
         logits = self.model.logits(h[last])

@@ -117,7 +117,8 @@ class Engine(Runner):
         self.masks = StepConstraints(model.args.vocab_size, self.eos_ids)
 
     def reset(self) -> None:
-        """The speculation guard's measurements start afresh."""
+        """The speculation guard's measurements start afresh, and the prefix cache (`Runner.reset`)."""
+        super().reset()
         if self.guard is not None:
             self.guard.reset()
 
@@ -196,9 +197,11 @@ class Engine(Runner):
                 warpers = None if sampling is None else self.sampler.warpers(sampling)
                 generator = torch.Generator().manual_seed(r.seed)
             sibling = next((f for f in fed if f.index == r.sibling_of), None)
-            s = _Live(handle, None if sibling is not None else self.kv.create(), len(r.prompt), list(r.prompt), None,
-                      Generation(logprobs=None if r.logprobs is None else []), generator, t0, self._budget_of(r),
-                      grammar, state, sampling, warpers, self._proposer_of(r), r.logprobs)
+            proposer = self._proposer_of(r)
+            prompt = None if proposer is not None and proposer.prompt_states else r.prompt  # None: no cached prefix
+            s = _Live(handle, None if sibling is not None else self.kv.create(prompt), len(r.prompt), list(r.prompt),
+                      None, Generation(logprobs=None if r.logprobs is None else []), generator, t0, self._budget_of(r),
+                      grammar, state, sampling, warpers, proposer, r.logprobs)
             s.gen.constraint = None if grammar is None else grammar.kind
             self._live.append(s)
             joined.append(s)
@@ -207,10 +210,11 @@ class Engine(Runner):
                 fed.append(s)
             else:
                 row[handle] = row[sibling.index]
-        step = StepBatch.build([s.seq for s in fed], [torch.tensor(s.tokens) for s in fed],
-                               [None] * len(fed), [None] * len(fed), [0] * len(fed), self.model.attn_dtype)
+        cached = [self.kv.length(s.seq) for s in fed]  # a prompt's prefix the KV manager had: not computed again
+        step = StepBatch.build([s.seq for s in fed], [torch.tensor(s.tokens[c:]) for s, c in zip(fed, cached)],
+                               [None] * len(fed), [None] * len(fed), cached, self.model.attn_dtype)
         masks = self.masks.start(fed, [None] * len(fed), [1] * len(fed))
-        h, f = self._forward(step)  # (R, dim): every prompt position of every prefilled request; f what observers read
+        h, f = self._forward(step)  # (R, dim): every uncached prompt position of every prefilled request; f what observers read
         last = [o - 1 for o in step.offsets[1:]]
         allowed = masks()
         p = self.target(self.model.logits(h[last]), input_ids=lambda: [s.tokens for s in fed], allowed=allowed,
@@ -237,7 +241,7 @@ class Engine(Runner):
             self.kv.commit(s.seq)
         if s.proposer is not None:
             s.proposer.start(s.seq, s.tokens)
-            s.proposer.observe(s.seq, s.tokens[1:] + [first], feats)
+            s.proposer.observe(s.seq, (s.tokens[1:] + [first])[-len(feats):], feats)  # the positions prefilled
         s.hidden = hidden
         s.gen.prefill_ms = ms
         self._emit(s, [first], out, lps)

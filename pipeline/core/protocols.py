@@ -28,6 +28,9 @@ class Proposer(ABC):
     # True when drafts are sampled from a distribution q that the tree carries (`Tree.q`); False
     # for deterministic drafts (argmax, top-k ranks, lookups), whose q is one-hot
     sampled: bool = False
+    # True when `observe` must see the target's state at every prompt position (a draft cache of the
+    # prompt): its requests' prompts are then prefilled whole, never taken from a prefix cache
+    prompt_states: bool = False
 
     @property
     def active(self) -> bool:
@@ -52,8 +55,9 @@ class Proposer(ABC):
 
     def observe(self, seq: int, tokens: list[int], hidden: torch.Tensor) -> None:
         """Committed tokens and the target's hidden states that chose them: hidden[j] (n, dim) is
-        the state whose next-token head gave tokens[j]. After prefill: the prompt's tokens 1..P-1
-        and the first generated one, with the hidden state at every prompt position; after each
+        the state whose next-token head gave tokens[j]. After prefill: the prompt's tokens c+1..P-1
+        and the first generated one, with the hidden state at every prompt position from c, where c
+        is the prefix the KV manager had cached (0 for a proposer with `prompt_states`); after each
         step: the accepted drafts and the bonus token, with the states along the accepted path."""
 
     def release(self, seq: int) -> None:
@@ -169,8 +173,11 @@ class KVManager(ABC):
     """
 
     @abstractmethod
-    def create(self) -> int:
-        """A new, empty sequence."""
+    def create(self, prompt: list[int] | None = None) -> int:
+        """A new sequence, empty; or, given the prompt it is made for, holding as committed slots
+        the KV of that prompt's longest prefix this manager has cached (`length(seq)`, always
+        fewer than len(prompt)): the caller prefills the rest. A manager without a prefix cache
+        starts it empty."""
 
     @abstractmethod
     def fork(self, seq: int) -> int:
@@ -235,4 +242,7 @@ class KVManager(ABC):
     @abstractmethod
     def stats(self) -> dict:
         """Memory accounting: bytes in use, peak, and the manager's own counters."""
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (and the cache's counters); live sequences keep their slots."""
 

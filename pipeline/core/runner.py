@@ -291,7 +291,9 @@ class Runner(ABC):
 
     # --- what a runner implements ---------------------------------------------------------------
     def reset(self) -> None:
-        """Per-run state starts afresh (run() calls it; a server after its warm-up)."""
+        """Per-run state starts afresh (run() calls it; a server after its warm-up): the KV manager's
+        prefix cache too, so that one run's timings never ride on what an earlier one prefilled."""
+        self.kv.reset_prefix_cache()
 
     def _grammar(self, request: Request):
         return request.grammar or self.constraint

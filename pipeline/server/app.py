@@ -41,7 +41,7 @@ from pipeline.streaming import TextStream
 from pipeline.threads import StepThreads
 
 DYING_S = 1.0  # how long a server whose engine died answers 503 before it exits
-KV_STATS = ("sequences", "tokens", "bytes_in_use", "blocks_in_use")  # of kv.stats(), where the manager has them
+KV_STATS = ("sequences", "tokens", "bytes_in_use", "blocks_in_use", "cached_blocks")  # of kv.stats(), where the manager has them
 
 
 class Metrics:
@@ -64,6 +64,14 @@ class Metrics:
         self.waiting = Gauge("pipeline_requests_waiting", "Requests admitted, waiting for a batch slot", registry=r)
         self.kv = {k: Gauge(f"pipeline_kv_{k}", f"KV manager: {k.replace('_', ' ')} (kv.stats())", registry=r)
                    for k in KV_STATS}
+        self.prefix_queries = Counter("pipeline_prefix_cache_queries", "Prompt tokens looked up in the KV prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("pipeline_prefix_cache_hits", "Prompt tokens found in the KV prefix cache (not "
+                                   "prefilled)", registry=r)
+        self.prefix_hit_rate = Gauge("pipeline_prefix_cache_hit_rate", "Prefix cache hits over queries, in prompt "
+                                     "tokens, since the server started", registry=r)
+        self._prefix_seen = (0, 0)  # the KV manager's counts at the last publish (they go back to 0 on its reset)
+        self._prefix_total = (0, 0)  # ... and the counters' totals
         self.guard = Gauge("pipeline_guard_steps", "Speculation guard: steps by kind (tree, plain, held)", ["kind"],
                            registry=r)
         self.guard_pauses = Gauge("pipeline_guard_pauses", "Speculation guard: times it paused drafting", registry=r)
@@ -76,12 +84,24 @@ class Metrics:
         for k, gauge in self.kv.items():
             if k in info["kv"]:
                 gauge.set(info["kv"][k])
+        if "prefix_queried_tokens" in info["kv"]:
+            self._publish_prefix_cache(info["kv"]["prefix_queried_tokens"], info["kv"]["prefix_hit_tokens"])
         guard = info.get("guard")
         if guard:
             for kind in ("tree", "plain", "held"):
                 self.guard.labels(kind).set(guard[f"{kind}_steps"])
             self.guard_pauses.set(guard["pauses"])
             self.guard_paused.set(int(runner.guard.left > 0))
+
+    def _publish_prefix_cache(self, queries: int, hits: int) -> None:
+        """The counters go up by what the KV manager counted since the last publish."""
+        seen_q, seen_h = self._prefix_seen if queries >= self._prefix_seen[0] else (0, 0)
+        self.prefix_queries.inc(queries - seen_q)
+        self.prefix_hits.inc(hits - seen_h)
+        self._prefix_seen = (queries, hits)
+        total_q, total_h = self._prefix_total[0] + queries - seen_q, self._prefix_total[1] + hits - seen_h
+        self._prefix_total = (total_q, total_h)
+        self.prefix_hit_rate.set(total_h / total_q if total_q else 0.0)
 
 
 class StopText:
