@@ -122,6 +122,13 @@ void q8_ref(const QRows& q, const uint8_t* codes, const uint16_t* d, float* y, i
 // ---- AVX512-VNNI: one zmm = a block's 16 outputs; R rows x B blocks of sums in registers ----
 constexpr const char* W4A8_PATH = "avx512_vnni";
 
+// acc += dot4(w, the 4 int8 at p broadcast to every lane), the broadcast folded into the instruction
+// (`{1to16}`: GCC emits a separate vpbroadcastd for `_mm512_set1_epi32`, one more vector op a product).
+inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
 template <int R, int B>
 inline void q4_tile(const int8_t* a, const float* dx, const float* sx, int64_t K, const uint8_t* cb, const uint16_t* db,
                     int64_t bstride_c, int64_t bstride_d, float* y, int64_t N) {
@@ -141,8 +148,8 @@ inline void q4_tile(const int8_t* a, const float* dx, const float* sx, int64_t K
         const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
         for (int r = 0; r < R; ++r) {
           const int8_t* ar = a + r * K + g * IG;
-          lo_sum[r] = _mm512_dpbusd_epi32(lo_sum[r], lo, _mm512_set1_epi32(load_i32(ar + 4 * j)));
-          hi_sum[r] = _mm512_dpbusd_epi32(hi_sum[r], hi, _mm512_set1_epi32(load_i32(ar + 16 + 4 * j)));
+          lo_sum[r] = dpbusd_bcast(lo_sum[r], lo, ar + 4 * j);
+          hi_sum[r] = dpbusd_bcast(hi_sum[r], hi, ar + 16 + 4 * j);
         }
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm)));
@@ -174,8 +181,8 @@ inline void q8_tile(const int8_t* a, const float* dx, const int32_t* asum, int64
         const __m512i w0 = _mm512_loadu_si512(c + 64 * j), w1 = _mm512_loadu_si512(c + 64 * (j + 1));
         for (int r = 0; r < R; ++r) {
           const int8_t* ar = a + r * K + g * IG;
-          s0[r] = _mm512_dpbusd_epi32(s0[r], w0, _mm512_set1_epi32(load_i32(ar + 4 * j)));
-          s1[r] = _mm512_dpbusd_epi32(s1[r], w1, _mm512_set1_epi32(load_i32(ar + 4 * j + 4)));
+          s0[r] = dpbusd_bcast(s0[r], w0, ar + 4 * j);
+          s1[r] = dpbusd_bcast(s1[r], w1, ar + 4 * j + 4);
         }
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db + k * bstride_d + g * 16)));
@@ -298,8 +305,8 @@ constexpr int64_t W4A8_ROWS = 0;
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// Rows r0 .. M - 1 against blocks [b0, b1): R rows a pass, B blocks a pass where few rows leave
-// registers (and the float chains' latency) to spare.
+// All rows against blocks [b0, b1): a block's rows R at a time (its weights then come from L1 for
+// the passes after the first).
 template <bool Q8>
 void int_blocks(const QRows& q, const uint8_t* codes, const uint16_t* scales, float* y, int64_t N, int64_t K,
                 int64_t b0, int64_t b1) {
@@ -320,16 +327,9 @@ void int_blocks(const QRows& q, const uint8_t* codes, const uint16_t* scales, fl
   using I2 = std::integral_constant<int, 2>;
   using I3 = std::integral_constant<int, 3>;
   using I4 = std::integral_constant<int, 4>;
-  for (int64_t b = b0; b < b1;) {
-    // few rows: 2 blocks at once (more independent chains), else one block, its rows in passes
-    const bool two = M <= 2 && b + 2 <= b1;
+  for (int64_t b = b0; b < b1; ++b)  // one block at a time (measured: two interleaved streams of weights read slower)
     for (int64_t r = 0; r < M;) {
       const int64_t left = M - r;
-      if (two) {
-        if (left >= 2) run(I2{}, I2{}, r, b), r += 2;
-        else run(I1{}, I2{}, r, b), r += 1;
-        continue;
-      }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       if (left >= 8) { run(std::integral_constant<int, 8>{}, I1{}, r, b); r += 8; continue; }
       if (left >= 6) { run(std::integral_constant<int, 6>{}, I1{}, r, b); r += 6; continue; }
@@ -339,8 +339,6 @@ void int_blocks(const QRows& q, const uint8_t* codes, const uint16_t* scales, fl
       else if (left == 2) run(I2{}, I1{}, r, b), r += 2;
       else run(I1{}, I1{}, r, b), r += 1;
     }
-    b += two ? 2 : 1;
-  }
 }
 constexpr bool W4A8_SIMD = true;
 #else
