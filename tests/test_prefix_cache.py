@@ -108,12 +108,12 @@ def test_a_prompt_takes_the_full_cached_blocks_of_an_earlier_one_and_computes_it
     assert kv.blocks_in_use == 0 and kv.stats()["idle_cached_blocks"] == 2
     b, cached = prefill(kv, toks, list(range(9)) + [99])
     assert cached == 8
-    d, cached = prefill(kv, toks, list(range(8)))
+    _, cached = prefill(kv, toks, list(range(8)))
     assert cached == 4  # both blocks are cached, but the last token's logits are needed: its block is computed
     assert kv.ref[kv.tables[b][0]] == 2 and kv.stats()["shared_blocks"] == 1
-    e, cached = prefill(kv, toks, [5] + list(range(1, 10)))
+    _, cached = prefill(kv, toks, [5] + list(range(1, 10)))
     assert cached == 0
-    f, cached = prefill(kv, toks, [0, 1, 2, 9] + list(range(4, 10)))
+    _, cached = prefill(kv, toks, [0, 1, 2, 9] + list(range(4, 10)))
     assert cached == 0  # block 1's tokens are cached, but after another block 0
     stats = kv.stats()
     assert stats["prefix_hit_tokens"] == 12 and stats["prefix_queried_tokens"] == 10 + 10 + 8 + 10 + 10
@@ -137,7 +137,7 @@ def test_answers_and_accepted_tree_paths_are_cached_for_the_next_turn():
     turn2 = toks[a] + [21, 22, 23]
     kv.free(a)
     del toks[a]
-    b, cached = prefill(kv, toks, turn2)
+    _, cached = prefill(kv, toks, turn2)
     assert cached == 12
     check(kv, toks)
     finish(kv, toks)
@@ -153,7 +153,7 @@ def test_idle_blocks_are_evicted_least_recently_freed_first_a_chain_from_its_tai
     assert kv.stats()["idle_cached_blocks"] == 4 and kv._free == []
     prefill(kv, toks, [200, 201, 202])  # one block: the first chain's tail goes, taken back rather than grown
     assert a1 not in kv.cached and a0 in kv.cached and kv.stats()["evicted_blocks"] == 1 and kv.pool.shape[2] == 4
-    seq, cached = prefill(kv, toks, [100, 101, 102, 103, 104, 105, 106, 107, 108])
+    _, cached = prefill(kv, toks, [100, 101, 102, 103, 104, 105, 106, 107, 108])
     assert cached == 8 and a0 not in kv.cached  # the second chain held again; its third block took a0
     check(kv, toks)
     kv.reset_prefix_cache()
@@ -177,7 +177,7 @@ def test_a_truncated_sequence_never_writes_into_a_cached_block():
     kv.free(b)
     del toks[b]
     for tail, hit in (([6, 7], 4), ([60, 61], 8), ([50, 51], 8)):  # 6, 7 were overwritten; b's copy and a's block are cached
-        seq, cached = prefill(kv, toks, list(range(6)) + tail + [9])
+        _, cached = prefill(kv, toks, list(range(6)) + tail + [9])
         assert cached == hit
     check(kv, toks)
     finish(kv, toks)
