@@ -1,7 +1,9 @@
 """The backbone's weight matrices, one class per storage: `Dense` (float32 / bfloat16, [in, out] with an
 optional [out, in] copy for the multi-row kernels of components/model/kernels.py), `Int4` (4-bit
 codes in groups of 32 with a scale and a zero per group, bfloat16 activations: the native 4-bit
-product where the fused kernels are built, else torch's weight-only int4 kernels) and `Int8Rows` (8-bit codes with one scale per output row: the q4 mode's LM head with
+product where the fused kernels are built, else torch's weight-only int4 kernels; or int8
+activations: the w4a8 integer product), `Int8Blocks` (the w4a8 LM head: Q8_0 blocks times int8
+rows) and `Int8Rows` (8-bit codes with one scale per output row: the q4 mode's LM head with
 `model.head=int8`, where the machine measures it faster than bfloat16).
 
 In the bfloat16 and q4 modes a row must get the same bits whatever rows are computed with it, so
@@ -183,7 +185,10 @@ class Int4(nn.Module):
     With the fused kernels (`use_native`), the product is the native one (`q4_mm`): each weight is
     decoded to bfloat16 once per step for all its rows (AMX tiles where the CPU has them), so rows
     cost little, and a row's bits never depend on the others. torch's kernel multiplies by the
-    weights in float32 and decodes them again for every 4 rows; the two differ in the last bits."""
+    weights in float32 and decodes them again for every 4 rows; the two differ in the last bits.
+
+    With int8 activations (the w4a8 precision) the product is the integer one (`q4i8_mm`, csrc/w4a8.h)
+    over the block's own d and m in float16, unrounded; it needs the fused kernels."""
 
     dtype = torch.bfloat16
 

@@ -8,8 +8,11 @@ the precisions (`model.dtype`):
   onto torch's int4 kernels; a float checkpoint is quantized at load), bfloat16 activations, the
   embedding and LM head in bfloat16 (`model.head=int8`: the head in 8 bits with one scale per
   row, `Int8Rows`, where measured faster: ~2 ms a step faster, further from float32);
+- `w4a8`: the same 4-bit blocks (their own float16 d and m) times activations quantized per row to
+  int8 blocks of 32, and the file's Q8_0 LM head likewise: integer products (csrc/w4a8.h), as
+  llama.cpp computes; needs the fused native kernels;
 - `auto` (default): the fastest of these on this machine, measured (components/model/cost_model.py:
-  `precision_costs`); `q4` is a candidate only for files that ship 4-bit blocks.
+  `precision_costs`); `q4` and `w4a8` are candidates only for files that ship 4-bit blocks.
 The kernel of each product per row count is measured on this machine too (components/model/tuner.py),
 or forced (`model.kernels=xw|linear|padded_t`). Environment variables override three keys for a
 whole shell: LLM_DECODE_HEAD (model.head), LLM_DECODE_KERNELS (model.kernels) and
