@@ -403,8 +403,9 @@ class Transformer(nn.Module):
                             "`make setup` and keep model.native=true, or use model.dtype=q4")
         for blk in self.layers:
             for m in blk.matrices():
-                if isinstance(m, Int4):
-                    m.use_native(self.native)
+                if isinstance(m, Int4) and not m.use_native(self.native) and m.activations == "int8":
+                    raise UserError(f"model.dtype=w4a8 needs layer matrices with outputs a multiple of 16 and groups "
+                                    f"of 32 inputs, got {m.out_features} x {m.in_features}: use model.dtype=q4")
         self.head_w8 = None
         if self.activations == "int8" and self.head_t is not None and Int8Blocks.fits(self.head_t):
             codes, d = self.head_blocks if self.head_blocks is not None else quantize_q8(self.head_t.float())
