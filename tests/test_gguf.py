@@ -109,18 +109,20 @@ def test_cache_is_keyed_by_content_and_holds_no_weights(tmp_path, monkeypatch):
 
 
 def test_fingerprint_is_the_same_in_every_precision():
-    prints = {p: tiny(dtype=p).model.fingerprint() for p in ("float32", "bfloat16", "q4")}
+    from components.model import native
+    dtypes = ("float32", "bfloat16", "q4") + (("w4a8",) if native.load() is not None else ())  # w4a8: native only
+    prints = {p: tiny(dtype=p).model.fingerprint() for p in dtypes}
     assert len(set(prints.values())) == 1, prints
 
 
 def test_bad_precision_is_one_line():
     with pytest.raises(UserError, match="model.dtype must be one of"):
         tiny(dtype="int3")
-    assert PRECISIONS == ("auto", "float32", "bfloat16", "q4")
+    assert PRECISIONS == ("auto", "float32", "bfloat16", "q4", "w4a8")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["bfloat16", "q4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "q4", "w4a8"])
 def test_shipped_heads_load_in_every_precision(dtype, tmp_path):
     """decode=tree_medusa with the shipped heads in a non-float32 precision (once refused as 'trained
     on another backbone')."""
