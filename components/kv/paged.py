@@ -235,8 +235,9 @@ class PagedKV(SequencePool):
             read = slice(reads[0][0], reads[0][0] + nb)  # consecutive blocks: a view of the pool
         else:
             read = self._dev(torch.tensor([r[:nb] + [r[0]] * (nb - len(r[:nb])) for r in reads]))  # (B, nb), padded
-        return KVPlan(list(step.seqs), step.counts, step.span, (self._dev(torch.cat(wblk)), self._dev(torch.cat(woff))),
-                      read)
+        wblk, woff = self._dev(torch.cat(wblk)), self._dev(torch.cat(woff))
+        table = read if isinstance(read, torch.Tensor) else self._dev(torch.arange(read.start, read.stop))[None]
+        return KVPlan(list(step.seqs), step.counts, step.span, (wblk, woff), read, (wblk * bs + woff, table))
 
     def update(self, layer, k, v, plan):
         kp, vp = self.pool[layer, 0], self.pool[layer, 1]  # (n_blocks, block_size, nkv, hs)
@@ -247,6 +248,12 @@ class PagedKV(SequencePool):
         shape = (len(plan.seqs), -(-S // bs) * bs, self.n_kv, self.hs)
         K, V = kp[plan.read].view(shape), vp[plan.read].view(shape)  # a view, or (B, nb, block, nkv, hs) gathered
         return K[:, :S].transpose(1, 2), V[:, :S].transpose(1, 2)  # (B, nkv, S, hs)
+
+    def pools(self, layer):
+        """The layer's key and value pools, (n_blocks, block_size, nkv, hs) each: what the fused native
+        layer (`Block.native_forward`) writes the step's rows into, at the plan's `in_place` slots, and
+        reads where they lie."""
+        return self.pool[layer, 0], self.pool[layer, 1]
 
     def update_in_place(self, layer, k, v, plan):
         """`update` for an attention that reads the pool where it lies (the native `paged_attention`):

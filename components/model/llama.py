@@ -172,9 +172,19 @@ class Block(nn.Module):
 
     def native_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch, kv, ops) -> torch.Tensor:
         """A cached step through the fused kernels (components/model/native.py): x (R, dim) bfloat16,
-        cos / sin (R, hs / 2) float32. Three native calls and the KV manager's write."""
+        cos / sin (R, hs / 2) float32. One native call on the paged KV (`layer_paged`), else three native
+        calls and the KV manager's write."""
         R, plan = x.shape[0], self.plan
         eps = self.attn_norm.eps
+        in_place = batch.plan.in_place
+        if in_place is not None and getattr(kv, "update_in_place", None) is not None and hasattr(ops, "layer_paged"):
+            # the paged KV: the whole layer in one native call, the same functions in the same order
+            kp, vp = kv.pools(self.layer_id)  # (n_blocks, block_size, nkv, hs) x 2
+            return ops.layer_paged(x, self.attn_norm.weight, eps, *self.wqkv.spec(plan.kernel("wqkv", R)), self.bqkv,
+                                   cos, sin, self.n_heads, self.n_kv, self.hs, kp, vp, *in_place, batch.row_index,
+                                   batch.width, batch.span, batch.bias, 1.0 / math.sqrt(self.hs), batch.causal,
+                                   *self.wo.spec(plan.kernel("wo", R)), self.bo, self.mlp_norm.weight,
+                                   *self.w13.spec(plan.kernel("w13", R)), *self.w2.spec(plan.kernel("w2", R)))
         q, k, v = ops.pre_attention(x, self.attn_norm.weight, eps, *self.wqkv.spec(plan.kernel("wqkv", R)), self.bqkv,
                                     cos, sin, self.n_heads, self.n_kv, self.hs)  # (R, nh, hs), (R, nkv, hs) x 2
         y = self.native_attention(q, k, v, batch, kv, ops)  # (R, nh hs)

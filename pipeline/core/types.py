@@ -85,6 +85,8 @@ class KVPlan:
     span: int  # S: slots every sequence's attention reads (its own, padded to the longest)
     write: tuple  # (R,) index tensors, row by row; a lone sequence: (its slab, slice of positions)
     read: slice | torch.Tensor  # a slice: a view of the storage, no copy; a tensor: ids gathered
+    in_place: tuple | None = None  # paged: ((R,) slot ids block * block_size + offset, (B, nb) block table), for
+    # the fused layer that writes and reads the pool where it lies (None: the manager offers none)
 
 
 @dataclass

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstring>
 #include <cstdlib>
 #include <string>
 #include <limits>
@@ -763,6 +764,48 @@ torch::Tensor post_attention(torch::Tensor x, torch::Tensor y, std::vector<torch
   return x + apply(product_from(w2, w2_i), silu_mul(gu));
 }
 
+// k, v (R, nkv, hs) bfloat16, any strides with the head dim contiguous -> rows `slots` of the
+// layer's pools viewed as (n_blocks * block_size, nkv, hs): the step's keys and values, where the
+// paged KV's plan puts them.
+void write_slots(torch::Tensor kpool, torch::Tensor vpool, const torch::Tensor& slots, const torch::Tensor& k,
+                 const torch::Tensor& v) {
+  const int64_t R = k.size(0), nkv = k.size(1), hs = k.size(2), n = kpool.size(0) * kpool.size(1);
+  TORCH_CHECK(kpool.is_contiguous() && vpool.is_contiguous() && kpool.scalar_type() == torch::kBFloat16 &&
+              vpool.scalar_type() == torch::kBFloat16 && kpool.size(2) == nkv && kpool.size(3) == hs &&
+              slots.scalar_type() == torch::kLong && slots.numel() == R && k.stride(2) == 1 && v.stride(2) == 1,
+              "layer_paged: bfloat16 contiguous pools (n_blocks, block_size, nkv, hs) and one int64 slot a row");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  auto* kd = kpool.data_ptr<at::BFloat16>();
+  auto* vd = vpool.data_ptr<at::BFloat16>();
+  const auto* ks = k.data_ptr<at::BFloat16>();
+  const auto* vs = v.data_ptr<at::BFloat16>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(sp[r] >= 0 && sp[r] < n, "layer_paged: slot ", sp[r], " outside the pool");
+    for (int64_t h = 0; h < nkv; ++h) {
+      std::memcpy(kd + (sp[r] * nkv + h) * hs, ks + r * k.stride(0) + h * k.stride(1), hs * sizeof(at::BFloat16));
+      std::memcpy(vd + (sp[r] * nkv + h) * hs, vs + r * v.stride(0) + h * v.stride(1), hs * sizeof(at::BFloat16));
+    }
+  }
+}
+
+// A whole layer of a cached step on the paged KV in one call (the Python between the three calls and
+// the KV write cost ~45 us a layer): `pre_attention`, the step's keys and values written into the
+// pools at `slots`, `paged_attention` over the pools where they lie, `post_attention`. The same
+// functions in the same order as the separate calls: the same bits.
+torch::Tensor layer_paged(torch::Tensor x, torch::Tensor norm1, double eps, std::vector<torch::Tensor> wqkv,
+                          std::vector<int64_t> wqkv_i, c10::optional<torch::Tensor> bqkv, torch::Tensor cos, torch::Tensor sin,
+                          int64_t nh, int64_t nkv, int64_t hs, torch::Tensor kpool, torch::Tensor vpool, torch::Tensor slots,
+                          torch::Tensor table, c10::optional<torch::Tensor> row_index, int64_t width, int64_t span,
+                          c10::optional<torch::Tensor> bias, double scale, bool causal, std::vector<torch::Tensor> wo,
+                          std::vector<int64_t> wo_i, c10::optional<torch::Tensor> bo, torch::Tensor norm2,
+                          std::vector<torch::Tensor> w13, std::vector<int64_t> w13_i, std::vector<torch::Tensor> w2,
+                          std::vector<int64_t> w2_i) {
+  auto qkv = pre_attention(x, norm1, eps, wqkv, wqkv_i, bqkv, cos, sin, nh, nkv, hs);  // (R, nh, hs), (R, nkv, hs) x 2
+  write_slots(kpool, vpool, slots, qkv[1], qkv[2]);
+  auto y = paged_attention(qkv[0], kpool, vpool, table, row_index, width, span, bias, scale, causal, false);  // (R, nh, hs)
+  return post_attention(x, y.view({x.size(0), nh * hs}), wo, wo_i, bo, norm2, eps, w13, w13_i, w2, w2_i);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -782,4 +825,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_kernel", []() { return std::string(ATTEND_KERNEL); });
   m.def("silu_mul", &silu_mul);
   m.def("post_attention", &post_attention);
+  m.def("layer_paged", &layer_paged);
 }
