@@ -195,7 +195,6 @@ inline void q8_tile(const int8_t* a, const float* dx, const int32_t* asum, int64
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < B; ++k) _mm512_storeu_ps(y + r * N + k * IB, acc[r][k]);
 }
-constexpr int64_t W4A8_ROWS = 8;  // rows a pass: 3 zmm each (two integer sums and the float one)
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // ---- AVX2 (AVX-VNNI where built for it): a ymm = 8 outputs, a block done as two halves ----
@@ -297,11 +296,9 @@ inline void q8_tile(const int8_t* a, const float* dx, const int32_t* asum, int64
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N + (h / 2) * IB + 8 * (h % 2), acc[r]);
   }
 }
-constexpr int64_t W4A8_ROWS = 4;  // rows a pass: 16 ymm registers
 
 #else
 constexpr const char* W4A8_PATH = "scalar";
-constexpr int64_t W4A8_ROWS = 0;
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -330,7 +327,7 @@ void int_blocks(const QRows& q, const uint8_t* codes, const uint16_t* scales, fl
   for (int64_t b = b0; b < b1; ++b)  // one block at a time (measured: two interleaved streams of weights read slower)
     for (int64_t r = 0; r < M;) {
       const int64_t left = M - r;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)  // 3 zmm a row (two integer sums, the float one): up to 8 rows
       if (left >= 8) { run(std::integral_constant<int, 8>{}, I1{}, r, b); r += 8; continue; }
       if (left >= 6) { run(std::integral_constant<int, 6>{}, I1{}, r, b); r += 6; continue; }
 #endif
