@@ -292,7 +292,8 @@ class Transformer(nn.Module):
 
     @property
     def precision(self) -> str:
-        """float32, bfloat16 or q4 (4-bit layer matrices, bfloat16 activations)."""
+        """float32, bfloat16, q4 (4-bit layer matrices, bfloat16 activations) or w4a8 (4-bit layer
+        matrices and the 8-bit head times int8 activations)."""
         if any(not isinstance(m, Dense) for blk in self.layers for m in blk.matrices()):
             return "w4a8" if self.activations == "int8" else "q4"
         return str(self.dtype).removeprefix("torch.")
