@@ -264,6 +264,8 @@ class PagedKV(SequencePool):
         wblk, woff = plan.write
         kp[wblk, woff] = k  # (R, nkv, hs)
         vp[wblk, woff] = v
+        if plan.in_place is not None:  # the table begin_step made once for the step
+            return kp, vp, plan.in_place[1]
         read = plan.read  # consecutive blocks as a slice (one sequence), else the (B, nb) table
         table = read if isinstance(read, torch.Tensor) else torch.arange(read.start, read.stop, device=kp.device)[None]
         return kp, vp, table  # (n_blocks, block_size, nkv, hs) x 2, (B, nb) int64
