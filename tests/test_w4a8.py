@@ -68,6 +68,25 @@ def test_q8_head_equals_the_scalar_reference_and_is_row_invariant(shape):
         assert same(ops.q8i8_mm(x[-m:], c8, d), full[-m:]), m
 
 
+@pytest.mark.skipif(ops is None or not ops.amx_emulation(), reason="the AMX emulation needs an AVX-512 build")
+@pytest.mark.parametrize("shape", [(48, 96), (80, 160), (16, 32), (960, 576)])
+def test_amx_int8_kernel_on_emulated_tiles_equals_the_scalar_reference(shape):
+    """The AMX int8 kernel (tdpbsud over one group a tile, two groups in flight) run on tiles emulated
+    from the instructions' definitions: its layouts, tile shapes and scaling order give the scalar
+    reference's bits at row counts that fill no tile (rows past 16 take a second row tile) and odd
+    group counts. On an AMX CPU the same kernel runs on the tiles themselves (w4a8_path amx_int8),
+    and the tests above check it there."""
+    out, k = shape
+    w = weights(out, k)
+    w[3, :32] *= 40
+    c4, dm = native_w4a8_layout(*quantize_q4(w))
+    c8, d = native_w8a8_layout(*quantize_q8(w))
+    x = rows(40, k)
+    for m in (1, 3, 16, 17, 40):
+        assert same(ops.q4i8_mm(x[:m], c4, dm, emulate_amx=True), ops.q4i8_mm(x[:m], c4, dm, ref=True)), m
+        assert same(ops.q8i8_mm(x[:m], c8, d, emulate_amx=True), ops.q8i8_mm(x[:m], c8, d, ref=True)), m
+
+
 def test_q8_head_takes_the_full_code_range():
     """-128 (ggml never writes it, a file may hold it) and 127 against -127 and 127 activations: the
     AVX2 path's |q| x sign trick and VNNI's +128 codes must not saturate or wrap."""

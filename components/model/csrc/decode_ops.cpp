@@ -333,17 +333,18 @@ inline void decode_chunk(const uint8_t* c, const uint16_t* sz, uint16_t* out, in
 }
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-constexpr bool AMX_BUILT = true;
 // GCC's tile intrinsics are asm without a memory operand: the compiler must be told that a tile
 // load reads what was just stored (else it may drop the stores) and that a tile store writes
 // memory read next.
 inline void memory_fence() { __asm__ __volatile__("" ::: "memory"); }
-struct alignas(64) TileConfig {
+struct alignas(64) TileConfig {  // ldtilecfg's operand (palette 1: 8 tiles of at most 16 rows x 64 bytes)
   uint8_t palette = 1, start_row = 0, reserved[14] = {0};
   uint16_t colsb[16] = {0};
   uint8_t rows[16] = {0};
 };
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+constexpr bool AMX_BUILT = true;
 
 bool amx_permitted() {  // Linux hands AMX's tile state to a process that asks (arch_prctl)
   constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
@@ -635,7 +636,7 @@ torch::Tensor apply(const Product& p, torch::Tensor x) {  // x: (n, in) -> (n, o
     case 3: y = at::_weight_int8pack_mm(x.contiguous(), p.a, p.b); break;
     case 5: y = bf16_mm(x, p.a, true); break;
     case 6: y = q4_mm(x, p.a, p.b); break;
-    case 7: y = q4i8_mm(x, p.a, p.b, false); break;
+    case 7: y = q4i8_mm(x, p.a, p.b, false, false); break;
     default: TORCH_CHECK(false, "unknown product kind ", p.kind);
   }
   return y.size(0) == n ? y : y.narrow(0, 0, n);
@@ -812,10 +813,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("bf16_mm", &bf16_mm);
   m.def("q4_mm", &q4_mm);
-  m.def("q4i8_mm", &q4i8_mm, py::arg("x"), py::arg("codes"), py::arg("dm"), py::arg("ref") = false);
-  m.def("q8i8_mm", &q8i8_mm, py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("ref") = false);
+  m.def("q4i8_mm", &q4i8_mm, py::arg("x"), py::arg("codes"), py::arg("dm"), py::arg("ref") = false, py::arg("emulate_amx") = false);
+  m.def("q8i8_mm", &q8i8_mm, py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("ref") = false, py::arg("emulate_amx") = false);
+  m.def("amx_emulation", []() { return AMX_EMULATION_BUILT; });
   m.def("quantize_rows", &quantize_rows_py);
-  m.def("w4a8_path", []() { return std::string(W4A8_PATH); });
+  m.def("w4a8_path", []() { return std::string(w4a8_path()); });
   m.def("product_path", []() { return product_path(); });
   m.def("pre_attention", &pre_attention);
   m.def("attention", &attention);

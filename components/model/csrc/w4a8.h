@@ -4,8 +4,8 @@
 // decode_ops.cpp inside its anonymous namespace, after its includes and helpers.
 //
 // Why integers: a block's sum of 32 products is exact in int32, whatever instructions compute it
-// (`vpdpbusd` with AVX512-VNNI or AVX-VNNI, `vpmaddubsw` + `vpmaddwd` with AVX2, a loop in the
-// scalar reference), and a nibble becomes an int8 with one AND or one shift. What follows is float32
+// (`vpdpbusd` with AVX512-VNNI or AVX-VNNI, `vpmaddubsw` + `vpmaddwd` with AVX2, `tdpbsud` on AMX's
+// int8 tiles, a loop in the scalar reference), and a nibble becomes an int8 with one AND or one shift. What follows is float32
 // in a fixed order per output and row, over the blocks in K order:
 //     acc = fma(float(isum), d_w * d_x, acc)       then, Q4_1 only,   acc = fma(m_w, s_x, acc)
 // with s_x = d_x * float(sum of the block's int8 activations). Every path does exactly these float32
@@ -344,9 +344,181 @@ void int_blocks(const QRows&, const uint8_t*, const uint16_t*, float*, int64_t, 
 constexpr bool W4A8_SIMD = false;
 #endif
 
+#if defined(__AVX512F__)
+// ---- AMX int8 tiles: `tdpbsud` (int8 activations x uint8 codes) over one group of 32 inputs ----
+// A tile of up to 16 rows x 16 outputs: A = the rows' int8 activations of group g (rows x 32 bytes,
+// read in place, K bytes apart), B = the block's codes of group g in the pair-of-four layout the tiles
+// expect (8 rows x 16 outputs x 4 inputs: the w4a8 layout's vectors, nibbles split for Q4), C = the
+// int32 block sums, exact as on every path. One group a product, because each group has its own
+// scales; C is then stored and scaled in float32 exactly as the AVX512-VNNI path does, so the bits
+// equal the scalar reference's. Two groups are in flight (C, A, B in tiles 0 / 1, 2 / 3, 4 / 5).
+//
+// `Tiles` is the CPU's (AmxTiles) or EmulatedTiles: the instructions' definitions in memory, which
+// lets a CPU without AMX check the kernel's layouts and order against the reference.
+struct EmulatedTiles {
+  struct State {
+    TileConfig cfg;
+    alignas(64) uint8_t t[8][16][64];
+  };
+  static State& s() {
+    static thread_local State st;
+    return st;
+  }
+  static void config(const TileConfig& c) {
+    s().cfg = c;
+    std::memset(s().t, 0, sizeof(s().t));
+  }
+  static void release() {}
+  static void zero(int t) { std::memset(s().t[t], 0, sizeof(s().t[t])); }
+  static void load(int t, const void* p, int64_t stride) {  // rows past cfg.rows and bytes past colsb read as 0
+    State& st = s();
+    zero(t);
+    for (int r = 0; r < st.cfg.rows[t]; ++r) std::memcpy(st.t[t][r], static_cast<const uint8_t*>(p) + r * stride, st.cfg.colsb[t]);
+  }
+  static void store(int t, void* p, int64_t stride) {
+    State& st = s();
+    for (int r = 0; r < st.cfg.rows[t]; ++r) std::memcpy(static_cast<uint8_t*>(p) + r * stride, st.t[t][r], st.cfg.colsb[t]);
+  }
+  // tdpbsud c, a, b: C[m][n] += sum over k < colsb(A) / 4, i < 4 of int8(A[m][4k + i]) * uint8(B[k][4n + i])
+  static void dpbsud(int c, int a, int b) {
+    State& st = s();
+    for (int m = 0; m < st.cfg.rows[c]; ++m)
+      for (int n = 0; n < st.cfg.colsb[c] / 4; ++n) {
+        int32_t acc;
+        std::memcpy(&acc, st.t[c][m] + 4 * n, 4);
+        for (int k = 0; k < st.cfg.colsb[a] / 4; ++k)
+          for (int i = 0; i < 4; ++i)
+            acc += static_cast<int32_t>(static_cast<int8_t>(st.t[a][m][4 * k + i])) * static_cast<int32_t>(st.t[b][k][4 * n + i]);
+        std::memcpy(st.t[c][m] + 4 * n, &acc, 4);
+      }
+  }
+};
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
+constexpr bool AMX_INT8_BUILT = true;
+struct AmxTiles {  // GCC's tile macros take the tile's number as a literal: one case a tile
+  static void config(const TileConfig& c) { _tile_loadconfig(&c); }
+  static void release() { _tile_release(); }
+#define TILE_CASES(op) \
+  switch (t) { op(0) op(1) op(2) op(3) op(4) op(5) op(6) op(7) }
+  static void zero(int t) {
+#define OP(n) case n: _tile_zero(n); break;
+    TILE_CASES(OP)
+#undef OP
+  }
+  static void load(int t, const void* p, int64_t stride) {
+#define OP(n) case n: _tile_loadd(n, p, stride); break;
+    TILE_CASES(OP)
+#undef OP
+  }
+  static void store(int t, void* p, int64_t stride) {
+#define OP(n) case n: _tile_stored(n, p, stride); break;
+    TILE_CASES(OP)
+#undef OP
+  }
+#undef TILE_CASES
+  static void dpbsud(int c, int, int) {  // c, then its A and B: c + 2 and c + 4
+    if (c == 0) _tile_dpbsud(0, 2, 4);
+    else _tile_dpbsud(1, 3, 5);
+  }
+};
+#else
+constexpr bool AMX_INT8_BUILT = false;
+#endif
+
+template <class Tiles, bool Q8>
+void amx_int_blocks(const QRows& q, const uint8_t* codes, const uint16_t* scales, float* y, int64_t N, int64_t K,
+                    int64_t b0, int64_t b1) {
+  const int64_t M = q.a.size(0), G = K / IG;
+  const int8_t* a = q.a.data_ptr<int8_t>();
+  const float* dx = q.dx.data_ptr<float>();
+  const float* sx = q.sx.data_ptr<float>();
+  const int32_t* asum = q.asum.data_ptr<int32_t>();
+  const int64_t per = Q8 ? 512 : 256, cs = G * per, ds = G * (Q8 ? 16 : 32);
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  alignas(64) uint8_t wbuf[2][512];
+  alignas(64) int32_t cbuf[2][16][16];
+  int configured = 0;
+  for (int64_t r0 = 0; r0 < M; r0 += 16) {
+    const int rows = static_cast<int>(std::min<int64_t>(16, M - r0));
+    if (rows != configured) {
+      TileConfig cfg;
+      for (int t = 0; t < 2; ++t) {
+        cfg.rows[t] = rows, cfg.colsb[t] = 64;          // C: rows x 16 int32
+        cfg.rows[2 + t] = rows, cfg.colsb[2 + t] = IG;  // A: rows x 32 int8
+        cfg.rows[4 + t] = 8, cfg.colsb[4 + t] = 64;     // B: 8 x (16 outputs x 4 inputs)
+      }
+      Tiles::config(cfg);
+      configured = rows;
+    }
+    const int8_t* ar = a + r0 * K;
+    for (int64_t b = b0; b < b1; ++b) {
+      __m512 acc[16];
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t g0 = 0; g0 < G; g0 += 2) {
+        const int n = static_cast<int>(std::min<int64_t>(2, G - g0));
+        for (int s = 0; s < n; ++s) {
+          const uint8_t* c = codes + b * cs + (g0 + s) * per;
+          if (!Q8) {
+            for (int j = 0; j < 4; ++j) {
+              const __m512i w = _mm512_loadu_si512(c + 64 * j);
+              _mm512_store_si512(wbuf[s] + 64 * j, _mm512_and_si512(w, m4));
+              _mm512_store_si512(wbuf[s] + 64 * (4 + j), _mm512_and_si512(_mm512_srli_epi16(w, 4), m4));
+            }
+            c = wbuf[s];
+          }
+          memory_fence();
+          Tiles::zero(s);
+          Tiles::load(2 + s, ar + (g0 + s) * IG, K);
+          Tiles::load(4 + s, c, 64);
+          Tiles::dpbsud(s, 2 + s, 4 + s);
+        }
+        for (int s = 0; s < n; ++s) Tiles::store(s, cbuf[s], 64);
+        memory_fence();
+        for (int s = 0; s < n; ++s) {
+          const int64_t g = g0 + s;
+          if constexpr (Q8) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b * ds + g * 16)));
+            for (int r = 0; r < rows; ++r) {
+              const int64_t rg = (r0 + r) * G + g;
+              const __m512i isum = _mm512_sub_epi32(_mm512_load_si512(cbuf[s][r]), _mm512_set1_epi32(128 * asum[rg]));
+              acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(dx[rg])), acc[r]);
+            }
+          } else {
+            const uint16_t* dm = scales + b * ds + g * 32;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm)));
+            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + 16)));
+            for (int r = 0; r < rows; ++r) {
+              const int64_t rg = (r0 + r) * G + g;
+              const __m512 f = _mm512_cvtepi32_ps(_mm512_load_si512(cbuf[s][r]));
+              acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(dx[rg])), acc[r]);
+              acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[rg]), acc[r]);
+            }
+          }
+        }
+      }
+      for (int r = 0; r < rows; ++r) _mm512_storeu_ps(y + (r0 + r) * N + b * IB, acc[r]);
+    }
+  }
+  Tiles::release();
+}
+constexpr bool AMX_EMULATION_BUILT = true;
+#else
+constexpr bool AMX_INT8_BUILT = false;
+constexpr bool AMX_EMULATION_BUILT = false;
+#endif
+
+// The path the integer products take in this process: "amx_int8" where AMX is the products' path
+// (product_path) and the build has its int8 tiles, else the build's SIMD path (W4A8_PATH).
+const char* w4a8_path() { return AMX_INT8_BUILT && product_path() == "amx" ? "amx_int8" : W4A8_PATH; }
+
+// The kernels int_mm can take: the process's own, the scalar reference, or the AMX kernel on
+// emulated tiles (tests: the AMX kernel's layouts checked on any AVX-512 CPU).
+enum class IntKernel { Own, Reference, EmulatedAmx };
+
 // y (M, N) = x (M, K) W^T for the w4a8 layouts; `ref`: the scalar reference. The Q4 product's outputs
 // are rounded to bfloat16 once (a layer's activations), the head's stay float32 (logits).
-torch::Tensor int_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool q8, bool ref) {
+torch::Tensor int_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, bool q8, IntKernel kernel) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && codes.scalar_type() == torch::kUInt8 &&
               (scales.scalar_type() == torch::kHalf || scales.scalar_type() == torch::kShort),
               "w4a8: bfloat16 x, uint8 codes, float16 scales (or their bits as int16)");
@@ -362,11 +534,28 @@ torch::Tensor int_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
   const auto* cp = codes.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   float* yp = y.data_ptr<float>();
-  if (ref || !W4A8_SIMD) {
+  TORCH_CHECK(kernel != IntKernel::EmulatedAmx || AMX_EMULATION_BUILT, "w4a8: the AMX emulation needs an AVX-512 build");
+  if (kernel == IntKernel::Reference || !W4A8_SIMD) {
     if (q8) q8_ref(q, cp, sp, yp, N, K);
     else q4_ref(q, cp, sp, yp, N, K);
   } else {
+    const bool amx = kernel == IntKernel::Own && std::string(w4a8_path()) == "amx_int8";
     at::parallel_for(0, N / IB, 4, [&](int64_t b0, int64_t b1) {
+#if defined(__AVX512F__)
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
+      if (amx) {
+        if (q8) amx_int_blocks<AmxTiles, true>(q, cp, sp, yp, N, K, b0, b1);
+        else amx_int_blocks<AmxTiles, false>(q, cp, sp, yp, N, K, b0, b1);
+        return;
+      }
+#endif
+      if (kernel == IntKernel::EmulatedAmx) {
+        if (q8) amx_int_blocks<EmulatedTiles, true>(q, cp, sp, yp, N, K, b0, b1);
+        else amx_int_blocks<EmulatedTiles, false>(q, cp, sp, yp, N, K, b0, b1);
+        return;
+      }
+#endif
+      (void)amx;
       if (q8) int_blocks<true>(q, cp, sp, yp, N, K, b0, b1);
       else int_blocks<false>(q, cp, sp, yp, N, K, b0, b1);
     });
@@ -374,8 +563,15 @@ torch::Tensor int_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
   return q8 ? y : y.to(torch::kBFloat16);
 }
 
-torch::Tensor q4i8_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor dm, bool ref) { return int_mm(x, codes, dm, false, ref); }
-torch::Tensor q8i8_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor d, bool ref) { return int_mm(x, codes, d, true, ref); }
+IntKernel int_kernel(bool ref, bool emulate_amx) {
+  return ref ? IntKernel::Reference : emulate_amx ? IntKernel::EmulatedAmx : IntKernel::Own;
+}
+torch::Tensor q4i8_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor dm, bool ref, bool emulate_amx) {
+  return int_mm(x, codes, dm, false, int_kernel(ref, emulate_amx));
+}
+torch::Tensor q8i8_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor d, bool ref, bool emulate_amx) {
+  return int_mm(x, codes, d, true, int_kernel(ref, emulate_amx));
+}
 
 std::vector<torch::Tensor> quantize_rows_py(torch::Tensor x) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.size(1) % IG == 0, "quantize_rows: bfloat16 (M, K), K % 32 == 0");
