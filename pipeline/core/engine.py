@@ -330,7 +330,8 @@ class Engine(Runner):
         for proposer in dict.fromkeys(s.proposer for s in drafted):  # each draft over its sequences, in order
             mine = [s for s in drafted if s.proposer is proposer]
             proposals.update(zip((s.seq for s in mine), proposer.propose(
-                [DecodeState(s.seq, s.tokens, s.hidden, self.model, self.kv, self._budget(s), s.generator)
+                [DecodeState(s.seq, s.tokens, s.hidden, self.model, self.kv, self._budget(s), s.generator,
+                             s.constraint)
                  for s in mine])))
         for s in drafted:
             self._check_proposal(s, proposals[s.seq])

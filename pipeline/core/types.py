@@ -36,6 +36,8 @@ class DecodeState:
     budget: int  # tokens this sequence may still commit, the bonus token included (max_new_tokens,
     # context end): a tree may hold budget nodes, its drafts reach depth budget - 1
     generator: torch.Generator | None = None  # the request's own, for sampled drafts
+    constraint: object = None  # the request's Constraint state (None: unconstrained), to read: fork it
+    # to look ahead (e.g. the tokens the grammar forces), never advance it
 
 
 @dataclass
