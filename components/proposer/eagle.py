@@ -165,8 +165,30 @@ class EagleProposer(Proposer):
     # --- drafting ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, states: list[DecodeState]) -> list[Tree | None]:
+        out = []
+        floor = math.log(self.p_min) if self.p_min > 0 else -math.inf
+        for st, t in zip(states, self._grow(states)):  # the best max_nodes candidates by cumulative log-probability
+            tree = None if t is None else t.tree(st.tokens[-1], self.max_nodes, floor, self.costs if self.auto else None,
+                                                 self.min_gain)
+            if self.auto and t is not None and t.depth >= 1:  # a step that could have had a tree
+                n = 0 if tree is None else len(tree.tokens) - 1
+                self.sized["steps"] += 1
+                self.sized["drafts"] += n
+                self.sized["plain"] += n == 0
+            out.append(tree)
+        return out
+
+    @torch.inference_mode()
+    def scored(self, states: list[DecodeState]) -> list[list[tuple[tuple[int, ...], float]]]:
+        """Every candidate the draft grew for each sequence, as (draft tokens from the root, cumulative
+        draft probability), for a proposer that ranks them with other sources' (proposer=hybrid)."""
+        floor = math.log(self.p_min) if self.p_min > 0 else -math.inf
+        return [[] if t is None else t.scored(floor) for t in self._grow(states)]
+
+    def _grow(self, states: list[DecodeState]) -> list["_Growing | None"]:
+        """Each sequence's candidates this step (None where the draft has not seen it yet)."""
         live = [(st, self.seqs[st.seq]) for st in states if st.seq in self.seqs and self.seqs[st.seq].tokens]
-        out: dict[int, Tree | None] = {st.seq: None for st in states}
+        out: dict[int, _Growing | None] = {st.seq: None for st in states}
         if not live:
             return [None] * len(states)
         roots, logp = self._catch_up(live)  # (B, dim), (B, V')
@@ -183,15 +205,8 @@ class EagleProposer(Proposer):
                 break
         for _, s in live:
             self.kv.discard(s.dseq)
-        # the best max_nodes candidates by cumulative log-probability
-        floor = math.log(self.p_min) if self.p_min > 0 else -math.inf
-        for (st, s), t in zip(live, trees):
-            out[st.seq] = t.tree(st.tokens[-1], self.max_nodes, floor, self.costs if self.auto else None, self.min_gain)
-            if self.auto and t.depth >= 1:  # a step that could have had a tree
-                n = 0 if out[st.seq] is None else len(out[st.seq].tokens) - 1
-                self.sized["steps"] += 1
-                self.sized["drafts"] += n
-                self.sized["plain"] += n == 0
+        for (st, _), t in zip(live, trees):
+            out[st.seq] = t
         return [out[st.seq] for st in states]
 
     def _catch_up(self, live: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,6 +309,15 @@ class _Growing:
         order = sorted(keep, key=lambda n: (self.depth_of[n], n))
         index = {0: 0, **{n: i + 1 for i, n in enumerate(order)}}
         return Tree.from_parents([root] + [self.token[n] for n in order], [-1] + [index[self.parent[n]] for n in order])
+
+    def scored(self, floor: float) -> list[tuple[tuple[int, ...], float]]:
+        """Every candidate at or above `floor` as (its tokens from the root, its cumulative probability)."""
+        out = []
+        for n in range(1, len(self.token)):
+            if self.score[n] >= floor:
+                path = [self.token[n]] + [self.token[a] for a in self.ancestors(n)]
+                out.append((tuple(path[::-1]), math.exp(self.score[n])))
+        return out
 
     def ancestors(self, n: int):
         """n's ancestors below the root, nearest first."""

@@ -125,9 +125,32 @@ class MedusaProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, states: list[DecodeState]) -> list[Tree | None]:
-        """Every live sequence's heads in one call: h (B, dim) -> (B, K, k) candidates."""
+        return [t for t, _, _ in self._candidates(states)]
+
+    @torch.inference_mode()
+    def scored(self, states: list[DecodeState]) -> list[list[tuple[tuple[int, ...], float]]]:
+        """Each sequence's drafts as (draft tokens from the root, the product of the heads'
+        probabilities along the path), for a proposer that ranks them with other sources'
+        (proposer=hybrid)."""
+        out = []
+        for tree, ids, logp in self._candidates(states):
+            if tree is None:
+                out.append([])
+                continue
+            tokens, depth, parents = tree.tokens.tolist(), tree.depth.tolist(), tree.parents.tolist()
+            paths, cum = [()], [0.0]
+            for i in range(1, len(tokens)):  # a depth's candidates are distinct: a token names its rank
+                d = depth[i] - 1
+                paths.append(paths[parents[i]] + (tokens[i],))
+                cum.append(cum[parents[i]] + float(logp[d][ids[d] == tokens[i]][0]))
+            out.append([(p, math.exp(c)) for p, c in zip(paths[1:], cum[1:])])
+        return out
+
+    def _candidates(self, states: list[DecodeState]) -> list[tuple[Tree | None, torch.Tensor, torch.Tensor]]:
+        """Every live sequence's heads in one call: h (B, dim) -> (B, K, k) candidates. Per sequence:
+        its tree (None: none), and the heads' candidate ids and log-probabilities (K, k)."""
         if self.tree is None and not self.dynamic:
-            return [None] * len(states)  # the policy chose plain decoding
+            return [(None, None, None)] * len(states)  # the policy chose plain decoding
         hidden = torch.stack([s.hidden for s in states]).float()  # (B, dim)
         k = self.width if self.dynamic else self.tree.max_rank
         ids, logp = self.heads.topk(hidden, k, with_logprobs=True)  # (B, K, k): head k drafts depth k
@@ -142,7 +165,7 @@ class MedusaProposer(Proposer):
                 if self.p_min > 0:
                     tree = self._above_p_min(tree, logp_b)
                 trees.append(tree if depth >= tree.max_depth else tree.prune(depth, tree.size))
-        return [t if t is None or t.size > 1 else None for t in trees]
+        return [(t if t is None or t.size > 1 else None, i, lp) for t, i, lp in zip(trees, ids, logp)]
 
     def _above_p_min(self, tree: Tree, logp: torch.Tensor) -> Tree:
         """Drop the nodes whose cumulative draft probability is below p_min (with their subtrees:

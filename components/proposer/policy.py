@@ -125,3 +125,11 @@ def size_tree(backbone, order: list[tuple[tuple[int, ...], float]], proposal_ms:
     costs = measured_costs(backbone, [p for p, _ in order], proposal_ms, cache_key, batch)
     return {**choose(order, costs, min_gain), "step_ms_by_drafts": costs, "precision": backbone.model.precision,
             "min_gain": min_gain, "batch_size": batch}
+
+
+def chain_costs(backbone, max_nodes: int, batch: int = 1) -> dict[int, float]:
+    """ms of a verification step with n drafts, n up to max_nodes, for a proposer whose trees change
+    every step (a chain of n: the cost is the rows'), measured once per machine, precision, batch
+    size and max_nodes, then cached (`measured_costs`)."""
+    chain = [(0,) * k for k in range(1, max_nodes + 1)]
+    return measured_costs(backbone, chain, 0.0, f"chain{max_nodes}", batch)
