@@ -7,7 +7,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from components.data.self_distill import DistillSet, build_self_distill, covered, make_self_distill
+from components.data.prompts import parse_sources
+from components.data.self_distill import DistillSet, build_self_distill, covered, make_self_distill, prompt_mix
 from components.heads.eagle import resolve_fuse_layers
 from pipeline.core import positive_int
 
@@ -62,10 +63,12 @@ class DistillDataModule(L.LightningDataModule):
                  prompt_seed: int = 0, root: str = "outputs/data", chat: bool = True, num_workers: int = 0,
                  sequences: bool = False, answers_per_batch: int = 16, context: bool = False,
                  fuse_layers: list[int] | str | None = None, save_every: int = 8, shard: int | None = None,
-                 num_shards: int = 1, only: bool = False):
+                 num_shards: int = 1, only: bool | str = False, prompts=None, magpie: dict | None = None):
         """fuse_layers: the layers an EAGLE-3 draft fuses (heads.fuse_layers), stored with each state.
         shard / num_shards: this job makes only that shard's parts of the set (self_distill.todo);
-        only: make the data and stop (shard jobs; `make`), the training then reads every shard's parts."""
+        only: make the data and stop (shard jobs; `make`), the training then reads every shard's parts;
+        only="prompts": make the prompts alone (data.prompts' Magpie rounds) and stop.
+        prompts, magpie: where the prompts come from (data.prompts, its Magpie knobs data.magpie)."""
         super().__init__()
         if not 0 < val_fraction < 1:
             raise ValueError(f"`data.val_fraction` must be in (0, 1), got {val_fraction}")
@@ -74,11 +77,15 @@ class DistillDataModule(L.LightningDataModule):
         fuse = resolve_fuse_layers(fuse_layers, backbone.model.args.n_layers)
         if fuse is not None and not sequences:
             raise ValueError("`data.fuse_layers` is for EAGLE-3 drafts (heads=eagle heads.fuse_layers=...): Medusa heads read one state")
+        parse_sources(prompts)  # a bad data.prompts fails here, before any generation
+        if only not in (True, False, "prompts"):
+            raise ValueError(f"`data.only` must be true, false or prompts, got {only!r}")
+        magpie = dict(magpie or {})
         self.make_kw = dict(max_samples=max_samples, max_new_tokens=max_new_tokens, batch_size=gen_batch_size,
                             prompt_seed=prompt_seed, root=root, chat=chat, save_every=save_every, fuse_layers=fuse,
-                            shard=shard, num_shards=num_shards)
+                            shard=shard, num_shards=num_shards, prompts=prompts, magpie=magpie)
         self.gen_kw = dict(self.make_kw, context=bool(context))
-        self.only = bool(only)
+        self.only = only
         if context and not sequences:
             raise ValueError("`data.context=true` is for EAGLE drafts (heads=eagle): Medusa heads read one state")
         self.batch_size, self.val_fraction, self.num_workers = batch_size, val_fraction, num_workers
@@ -90,8 +97,15 @@ class DistillDataModule(L.LightningDataModule):
 
     def make(self) -> dict:
         """Data only (`data.only=true`): this job's parts (its shard's, or all), no reading. Returns
-        where the set is and how much of it exists."""
-        out, _ = make_self_distill(self.backbone, **self.make_kw)
+        where the set is and how much of it exists. `data.only=prompts`: the first max_samples
+        prompts only (the Magpie rounds they need), and how many are multi-turn."""
+        kw = self.make_kw
+        if self.only == "prompts":
+            mix = prompt_mix(self.backbone, kw["prompts"], kw["prompt_seed"], kw["root"], kw["magpie"])
+            made = mix.take(kw["max_samples"])
+            return {"prompts": len(made), "multi_turn": sum(isinstance(p, list) for p in made),
+                    "magpie_dir": None if mix.magpie is None else str(mix.magpie.dir)}
+        out, _ = make_self_distill(self.backbone, **kw)
         return {"data_dir": str(out), "answers": covered(out), "asked": self.make_kw["max_samples"],
                 "shard": self.make_kw["shard"], "num_shards": self.make_kw["num_shards"]}
 

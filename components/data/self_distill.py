@@ -9,6 +9,10 @@ exactly what a Medusa head reads. A sample is
 The answers are stored in parts with the config that made them (`config.json`, `manifest.json`:
 answers and tokens so far) and reused by every run with that config, whatever its size.
 
+The prompts are `data.prompts`' mix (components/data/prompts.py: the template pool, the backbone's
+own Magpie-style user turns, JSONL files), in an order whose every prefix is the set of that size; a
+prompt may be a multi-turn list of messages, encoded with the chat template like a single text.
+
 For an EAGLE-3 draft (`fuse_layers`, another config key) hidden[i] is [the fused layers' states |
 the last state], kept by the same forward (`Transformer.tap`). Shard jobs (`shard`, `num_shards`)
 each make their cells of the parts grid (`todo`); a job without a shard reads them all.
@@ -34,7 +38,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from components.data.prompts import prompt_filter, training_prompts
+from components.data.magpie import Magpie
+from components.data.prompts import PromptMix, parse_sources, prompt_filter
 from components.kv.contiguous import ContiguousKV
 from components.kv.paged import PagedKV
 from components.sampler.logits import Sampler
@@ -151,7 +156,8 @@ def covered(out: Path) -> int:
 def build_self_distill(backbone, max_samples: int = 2000, max_new_tokens: int = 192, batch_size: int = 16,
                        prompt_seed: int = 0, root: str = "outputs/data", chat: bool = True,
                        save_every: int = 8, context: bool = False, fuse_layers: list[int] | None = None,
-                       shard: int | None = None, num_shards: int = 1) -> DistillSet:
+                       shard: int | None = None, num_shards: int = 1, prompts=None,
+                       magpie: dict | None = None) -> DistillSet:
     """The backbone's answers to the first `max_samples` training prompts, generated where missing.
 
     One directory holds every answer made with one generation config (model, precision, answer
@@ -161,9 +167,10 @@ def build_self_distill(backbone, max_samples: int = 2000, max_new_tokens: int = 
     `batch_size` prompts, so an interrupted job resumes where it stopped. With `fuse_layers` each
     state is [those layers' states | the last one] ((len + 1) dim wide), from the same forward.
     `shard` (of `num_shards`) makes only that shard's parts (`make_self_distill`), then reads the
-    set, which needs every shard's parts."""
+    set, which needs every shard's parts. `prompts`, `magpie`: where the prompts come from
+    (data.prompts, data.magpie: `prompt_mix`)."""
     out, config = make_self_distill(backbone, max_samples, max_new_tokens, batch_size, prompt_seed, root, chat,
-                                    save_every, fuse_layers, shard, num_shards)
+                                    save_every, fuse_layers, shard, num_shards, prompts, magpie)
     if covered(out) < max_samples and shard is not None:
         raise UserError(f"{out}: shard {shard} of {num_shards} is made, {covered(out)} of {max_samples} answers are: "
                         "run the other shards (data.shard=...) or one job without data.shard, then train; "
@@ -172,7 +179,8 @@ def build_self_distill(backbone, max_samples: int = 2000, max_new_tokens: int = 
     if context:
         with open(out / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            build_context(backbone, out, config, max_samples, batch_size)
+            build_context(backbone, out, config, max_samples, batch_size, prompt_mix(backbone, prompts, prompt_seed,
+                                                                                        root, magpie))
         ds.context = _first(out, max_samples, "context")
     return ds
 
@@ -180,7 +188,7 @@ def build_self_distill(backbone, max_samples: int = 2000, max_new_tokens: int = 
 def make_self_distill(backbone, max_samples: int = 2000, max_new_tokens: int = 192, batch_size: int = 16,
                       prompt_seed: int = 0, root: str = "outputs/data", chat: bool = True, save_every: int = 8,
                       fuse_layers: list[int] | None = None, shard: int | None = None,
-                      num_shards: int = 1) -> tuple[Path, dict]:
+                      num_shards: int = 1, prompts=None, magpie: dict | None = None) -> tuple[Path, dict]:
     """Generate the missing parts of the first `max_samples` answers (only shard `shard`'s, of
     `num_shards`, when given: see `todo`); returns the set's directory and generation config."""
     for name, v in (("max_samples", max_samples), ("max_new_tokens", max_new_tokens), ("batch_size", batch_size),
@@ -188,11 +196,14 @@ def make_self_distill(backbone, max_samples: int = 2000, max_new_tokens: int = 1
         positive_int(v, f"data.{name}")
     if shard is not None and (isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < num_shards):
         raise UserError(f"data.shard must be an int in 0..{num_shards - 1} (data.num_shards={num_shards}), got {shard!r}")
+    mix = prompt_mix(backbone, prompts, prompt_seed, root, magpie)
     config = {"model": backbone.name, "fingerprint": backbone.model.fingerprint(), "precision": backbone.precision,
               "max_new_tokens": max_new_tokens, "prompt_seed": prompt_seed, "chat": chat, "decoding": "greedy",
               "prompt_filter": prompt_filter()}
     if fuse_layers is not None:  # only then: the sets made before fusion keep their key
         config["fuse_layers"] = [int(i) for i in fuse_layers]
+    if mix.describe() is not None:  # only then: the sets of the template pool alone keep their key
+        config["prompts"] = mix.describe()
     out = data_dir(root, config)
     chunk, mine = batch_size * save_every, (shard, num_shards)
     if todo(out, max_samples, chunk, *mine):
@@ -200,23 +211,44 @@ def make_self_distill(backbone, max_samples: int = 2000, max_new_tokens: int = 1
         # one process per shard generates; others (DDP ranks) wait, then load. Shards write disjoint parts.
         with open(out / (".lock" if shard is None else f".lock-{shard}-of-{num_shards}"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            _generate(backbone, out, config, todo(out, max_samples, chunk, *mine), batch_size)
+            _generate(backbone, out, config, todo(out, max_samples, chunk, *mine), batch_size, mix)
     if covered(out):
         _note(out)
     return out, config
 
 
-def build_context(backbone, out: Path, config: dict, n: int, batch_size: int = 16) -> None:
+def prompt_mix(backbone, prompts=None, seed: int = 0, root: str | Path = "outputs/data",
+               magpie: dict | None = None) -> PromptMix:
+    """data.prompts (None: the template pool) as a PromptMix; its Magpie source, where it lists
+    one, makes its rounds under `root` with the `magpie` knobs (data.magpie)."""
+    sources = parse_sources(prompts)
+    made = Magpie(backbone, root, **(magpie or {})) if any(s.kind == "magpie" for s in sources) else None
+    return PromptMix(sources, seed, made)
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool = True) -> list[int]:
+    """A training prompt's tokens: a text, or a conversation's messages, with the chat template."""
+    if isinstance(prompt, str):
+        return encode_chat(tokenizer, None, prompt, chat)
+    if not chat:
+        raise UserError("data.chat=false feeds prompts raw, but data.prompts gave a multi-turn conversation: "
+                        "set data.chat=true or use single-turn prompts")
+    return encode_chat(tokenizer, prompt, prompt[-1]["content"], chat)
+
+
+def build_context(backbone, out: Path, config: dict, n: int, batch_size: int = 16,
+                  mix: PromptMix | None = None) -> None:
     """The `context-*` file of every answer part that holds one of the first n answers and has none:
     the prompts prefilled `batch_size` at a time (one packed causal step, as the engine prefills),
     each prompt's pairs (h_p, prompt[p + 1]) for p < P - 1 saved; its last state must be the
-    answer's hidden[0] (same model, precision and prompt), else the set is not this config's."""
+    answer's hidden[0] (same model, precision and prompt), else the set is not this config's.
+    `mix`: the set's prompts (None: the template pool, ordered by the config's prompt_seed)."""
     missing = [(a, b, p) for a, b, p in parts(out) if a < n and not _sibling(p, "context").is_file()]
     if not missing:
         return
     model, tok = backbone.model, backbone.tokenizer
     taps = tuple(config.get("fuse_layers", ()))
-    prompts = training_prompts(max(b for _, b, _ in missing), seed=config["prompt_seed"])
+    prompts = (mix or PromptMix(parse_sources(None), config["prompt_seed"])).take(max(b for _, b, _ in missing))
     kv = ContiguousKV(backbone)
     bar = tqdm(total=sum(b - a for a, b, _ in missing), desc="prompt context", unit="prompt")
     for a, b, path in missing:
@@ -225,7 +257,7 @@ def build_context(backbone, out: Path, config: dict, n: int, batch_size: int = 1
             first = {i: rows[int(o):int(o) + 1][0].float() for i, o in enumerate(offsets[:-1]) if offsets[i + 1] > o}
         samples = []
         for start in range(a, b, batch_size):
-            encoded = [encode_chat(tok, None, p, config["chat"]) for p in prompts[start:min(start + batch_size, b)]]
+            encoded = [encode_prompt(tok, p, config["chat"]) for p in prompts[start:min(start + batch_size, b)]]
             seqs = [kv.create() for _ in encoded]
             step = StepBatch.build(seqs, [torch.tensor(e) for e in encoded], [None] * len(seqs), [None] * len(seqs),
                                    [0] * len(seqs), model.attn_dtype)
@@ -256,17 +288,18 @@ def _note(out: Path) -> None:
     atomic_write(path, json.dumps({"answers": answers, "tokens": tokens}, indent=2))
 
 
-def _generate(backbone, out: Path, config: dict, ranges: list[tuple[int, int]], batch_size: int) -> None:
-    """One part per answer range [start, end)."""
+def _generate(backbone, out: Path, config: dict, ranges: list[tuple[int, int]], batch_size: int,
+              mix: PromptMix) -> None:
+    """One part per answer range [start, end) of the mix's prompts."""
     if not ranges:
         return
     atomic_write(out / "config.json", json.dumps(config, indent=2))
-    prompts = training_prompts(max(end for _, end in ranges), seed=config["prompt_seed"])
+    prompts = mix.take(max(end for _, end in ranges))
     tok = backbone.tokenizer
     taps = tuple(config.get("fuse_layers", ()))
     bar = tqdm(total=sum(end - start for start, end in ranges), desc="self-distill", unit="answer")
     for start, end in ranges:
-        encoded = [encode_chat(tok, None, p, config["chat"]) for p in prompts[start:end]]
+        encoded = [encode_prompt(tok, p, config["chat"]) for p in prompts[start:end]]
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths pad less
         answers = generate_batch(backbone, [encoded[i] for i in order], config["max_new_tokens"], batch_size, taps=taps)
         samples = [None] * len(encoded)
