@@ -7,15 +7,20 @@ for the rest). A runner that takes no per-request knobs (beam search) refuses th
 
 A request's constraint is plain data (`ConstraintSpec`): its text is never resolved, interpolated
 or opened as a path. Grammars compile in `GrammarCache`, off the event loop, bounded in time and
-kept up to a byte budget.
+kept up to a byte budget. `PromptRecorder` (record_prompts=, the server's own config) appends each
+admitted request's prompt, and nothing else, to a JSONL file that `data.prompts` trains on.
 """
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import sys
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -88,6 +93,44 @@ class GrammarCache:
                 _, (_, freed) = self._done.popitem(last=False)
                 self.bytes -= freed
         return grammar
+
+
+class PromptRecorder:
+    """Appends one JSON line per admitted request to `path`, its prompt only: {"messages": [...]}
+    (chat) or {"prompt": "..."} (completions), never an answer. Each line is one write to a file
+    opened for appending, under a lock: lines never interleave. A write that fails leaves the request
+    as it is and is reported once on stderr."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path).expanduser()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise UserError(f"record_prompts={path}: cannot open it for appending ({e.strerror}): "
+                            "give a writable file, or record_prompts=null") from None
+        self._lock = threading.Lock()
+        self.failed = False
+
+    def record(self, spec: Spec) -> None:
+        r = spec.request
+        row = {"messages": r.messages} if spec.kind == "chat" and r.messages else {"prompt": r.prompt}
+        line = (json.dumps(row, ensure_ascii=False) + "\n").encode()
+        try:
+            with self._lock:
+                while line:  # a regular file takes the whole line at once, short of a full disk
+                    line = line[os.write(self._fd, line):]
+        except OSError as e:
+            if not self.failed:
+                self.failed = True
+                print(f"warning: record_prompts: cannot write to {self.path} ({e.strerror}); requests are served, "
+                      "their prompts are not recorded", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 class Admitter:

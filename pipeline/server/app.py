@@ -31,7 +31,7 @@ from starlette.middleware.cors import CORSMiddleware
 from pipeline.build import build_engine, component_choice, constraint_spec
 from pipeline.core import UserError
 from pipeline.metrics import depth_acceptance
-from pipeline.server.admit import Admitter
+from pipeline.server.admit import Admitter, PromptRecorder
 from pipeline.server.gate import Gate, is_loopback
 from pipeline.server.loop import EngineLoop, Job, Refused
 from pipeline.server.page import add_page
@@ -172,6 +172,8 @@ class Service:
         self.metrics = Metrics()
         self.engine = EngineLoop(runner, max_queue, self.metrics, step_threads(cfg, backbone))
         self.admitter = Admitter(cfg, backbone)
+        path = cfg.get("record_prompts")  # the server's own config only: a client never names a file
+        self.recorder = None if path is None else PromptRecorder(str(path))
         context = backbone.model.args.max_seq_len
         self.limits = Limits(context - 1, _count(cfg, "max_json_depth", 64), _count(cfg, "max_constraint_bytes", 65536))
         self.created = int(time.time())
@@ -195,6 +197,8 @@ class Service:
             for i in range(1, spec.n):  # choice i: the same request seeded seed + i, forking the first's prompt
                 jobs.append(Job(dataclasses.replace(req, seed=req.seed + i), loop, sibling=jobs[0]))
             self.engine.submit(jobs)
+            if self.recorder is not None:  # admitted: its prompt is kept (record_prompts=)
+                self.recorder.record(spec)
         except APIError as e:
             return self.error(e, endpoint)
         except Refused as e:
@@ -404,6 +408,8 @@ def create_app(service: Service) -> FastAPI:
         service.engine.start()
         yield
         await asyncio.to_thread(service.engine.stop)
+        if service.recorder is not None:
+            service.recorder.close()
 
     app = FastAPI(title="pipeline.serve", lifespan=lifespan, docs_url=None, redoc_url=None)
 
