@@ -91,6 +91,11 @@ def with_tiny_context(cfg, heads_ckpt):
         kind = "eagle" if "eagle" in prop._target_ else "medusa"
         with open_dict(cfg):
             cfg.proposer.checkpoint = str(heads_ckpt[kind])
+    if prop is not None and "sources" in prop and heads_ckpt:  # proposer=hybrid: its model sources' drafts
+        with open_dict(cfg):
+            for kind in ("eagle", "medusa"):
+                if prop[kind].checkpoint is None:
+                    prop[kind].checkpoint = str(heads_ckpt[kind])
     return cfg
 
 
