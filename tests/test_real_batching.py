@@ -27,7 +27,8 @@ RUNS = [("float32", "greedy", "paged", 8), ("float32", "tree_ngram", "contiguous
         ("bfloat16", "greedy", "contiguous", 8), ("bfloat16", "tree_medusa", "paged", 1),
         ("float32", "tree_eagle", "paged", 8), ("q4", "tree_eagle", "contiguous", 1),  # q4: the 4-bit draft
         ("w4a8", "greedy", "paged", 8), ("w4a8", "tree_eagle", "paged", 8), ("w4a8", "tree_medusa", "contiguous", 1),
-        ("w4a8", "tree_ngram", "paged", 1)]  # w4a8: the integer products, drafts too
+        ("w4a8", "tree_ngram", "paged", 1),  # w4a8: the integer products, drafts too
+        ("float32", "tree_hybrid", "paged", 8), ("q4", "tree_hybrid", "contiguous", 1)]  # EAGLE + suffix trees
 PROMPTS = {"float32": 8, "q4": 12, "bfloat16": 8, "w4a8": 8}  # float32 runs the most cases, bfloat16 is the slowest per token
 STAND_IN = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 FEWER = {"tree_eagle": 8, "self_spec": 8}  # prompts for the slowest runs (16-draft float32 trees, self-speculation)
@@ -71,6 +72,7 @@ def test_bench_prompts_equal_plain_greedy(real_backbone, bench_prompts, dtype, p
     bench_prompts = bench_prompts[:n]
     forced = {"tree_medusa": ["proposer.nodes=null"],  # the installed tree, whatever pays here
               "tree_eagle": ["tree.width=4", "tree.depth=4", "tree.max_nodes=16", "proposer.nodes=null"],  # a 16-draft EAGLE-2 tree
+              "tree_hybrid": ["proposer.nodes=null"],  # the merged ranking's best 12, whatever pays here
               }.get(preset, [])
     cfg = compose_config([f"decode={preset}", f"kv={kv}", f"batch_size={batch}", "max_new_tokens=64",
                           f"model.dtype={dtype}", *forced])
