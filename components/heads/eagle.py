@@ -94,6 +94,7 @@ class EagleDraft(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(self.args).float(), persistent=False)
         self._lm_t: torch.Tensor | None = None
         self._lm_q4: nn.Module | None = None  # quantize_for_decoding
+        self.native = None  # the fused kernels the layer decodes on (quantize_for_decoding beside a w4a8 backbone)
 
     STORED = ("fc.weight", "norm.weight", "vocab_ids")  # plus every block.* tensor, and fuse.weight when fused
 
@@ -210,6 +211,13 @@ class EagleDraft(nn.Module):
             if q4 is not None:
                 setattr(self.block, name, q4)
         self._lm_q4 = Int4.quantized(self.lm_weight, device, ops)
+        if ops is not None and hasattr(ops, "pre_attention") and device.type == "cpu":
+            # the layer's glue on the fused kernels too, as the backbone's layers: bfloat16 rows and
+            # cache, norms in bfloat16 (what the kernels read), three native calls a depth
+            with torch.no_grad():
+                for norm in (self.block.attn_norm, self.block.mlp_norm):
+                    norm.weight.data = norm.weight.data.to(torch.bfloat16)
+            self.native = ops
         return self
 
     @property
@@ -223,7 +231,12 @@ class EagleDraft(nn.Module):
     def step(self, batch, kv, feats: torch.Tensor) -> torch.Tensor:
         """Decoding: the rows of `batch` (StepBatch over the draft's own KV pool, its plan set:
         `pipeline.core.forward_step`; `batch.tokens` are the y_{t+1}) with their features feats
-        (R, dim) -> predicted features (R, dim)."""
+        (R, dim) -> predicted features (R, dim). On the fused kernels (`native`) the layer runs as a
+        backbone layer does (`Block.native_forward`), its cache in bfloat16."""
+        if self.native is not None:
+            x = self.inputs(feats, batch.tokens).to(torch.bfloat16)  # (R, dim)
+            freqs = batch.positions[:, None].float() * self.inv_freq  # (R, hs / 2)
+            return self.norm(self.block.native_forward(x, freqs.cos(), freqs.sin(), batch, kv, self.native).float())
         x = self.inputs(feats, batch.tokens)[None]  # (1, R, dim)
         cos, sin = self.rope(batch.positions[None])
         attend = cached_attention(batch, kv, torch.float32, self.args.n_kv_heads != self.args.n_heads)

@@ -103,7 +103,8 @@ class EagleProposer(Proposer):
         self.checkpoint_path = path
         self.width, self.depth, self.max_nodes, self.p_min = width, depth, max_nodes, float(p_min)
         a = self.draft.args
-        self.kv = kv(n_layers=1, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, dtype=torch.float32,
+        self.kv = kv(n_layers=1, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
+                     dtype=torch.float32 if self.draft.native is None else torch.bfloat16,
                      device=backbone.model.device)
         self.seqs: dict[int, _Seq] = {}
         self.backbone, self.auto, self.min_gain, self.batch_size = backbone, nodes == "auto", float(min_gain), batch_size
