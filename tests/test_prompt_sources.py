@@ -77,6 +77,20 @@ def test_magpie_rounds_are_reused_and_grow(made, tiny_backbone, magpie_root):
     assert other.dir != source.dir
 
 
+def test_magpie_reads_rounds_through_its_filters(tiny_backbone, tmp_path):
+    """Unfinished turns (null), too short or long ones, duplicates and benchmark paraphrases are left
+    out; a follow-up that fails leaves its prompt single-turn."""
+    source = Magpie(tiny_backbone, tmp_path, **dict(MAGPIE, keep_unfinished=False, min_words=2, max_words=8))
+    source.dir.mkdir(parents=True)
+    rows = [[None], ["Hi"], ["What is a good name for a cat?"], ["what is a GOOD name for a cat"],
+            ["Define the word 'photosynthesis'."], ["Name a red fruit.", "An apple.", None],
+            ["Name a blue bird.", "A jay.", "And a green one?"], [None, "x", "Never read."]]
+    (source.dir / "round-000000.jsonl").write_text("".join(json.dumps({"turns": t}) + "\n" for t in rows))
+    assert source.prompts(3) == ["What is a good name for a cat?", "Name a red fruit.", [
+        {"role": "user", "content": "Name a blue bird."}, {"role": "assistant", "content": "A jay."},
+        {"role": "user", "content": "And a green one?"}]]
+
+
 def test_the_magpie_opening_is_the_template_up_to_the_user_turn(tiny_backbone, magpie_root):
     source = Magpie(tiny_backbone, magpie_root, **MAGPIE)
     tok = tiny_backbone.tokenizer

@@ -109,8 +109,10 @@ class Magpie:
             for line in (self.dir / f"round-{k:06d}.jsonl").read_text().splitlines():
                 turns = json.loads(line)["turns"]
                 first = turns[0]
+                if not self._fits(first):
+                    continue
                 key = normalized(first)
-                if not self._fits(first) or not key or key in seen or excluded(first):
+                if not key or key in seen or excluded(first):
                     continue
                 seen.add(key)
                 if len(turns) == 3 and self._fits(turns[2]) and not excluded(turns[2]):
