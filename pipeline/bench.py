@@ -287,6 +287,8 @@ def pipeline_report(p: Pipeline, base: Pipeline, reqs) -> dict:
               **(p.runner.describe() if isinstance(p.runner, vllm_peer.VllmPeer) else {}),
               "mean_step_ms": rnd(statistics.mean(steps_ms) if steps_ms else None),
               "tree_step_ms": rnd(s["tree_step_ms"]), "plain_step_ms": rnd(s["plain_step_ms"]),
+              **({"tree_step_split_ms": {k: rnd(s[f"tree_{k}_ms"]) for k in ("draft", "verify", "rest")}}
+                 if "tree_draft_ms" in s else {}),
               "acceptance_by_depth": {d: round(v, 3) for d, v in s["acceptance_by_depth"].items()},
               "constrained": isinstance(p.runner, Constrained) or getattr(p.runner, "constraint", None) is not None}
     if "constrained_requests" in s:  # constraint cost per committed token, drafts pruned, complete outputs

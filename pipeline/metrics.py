@@ -17,14 +17,24 @@ def depth_acceptance(items: list[dict]) -> dict[str, float]:
 
 
 def step_latency(items: list[dict]) -> dict[str, float | None]:
+    """Mean step latency of tree steps and of plain steps; where the items split their steps (ours),
+    a tree step's time as drafting, verifying (the target's forward, masks, logits and processors)
+    and the rest (deciding, committing, the proposers' bookkeeping)."""
     pairs = [(ms, n) for it in items for ms, n in zip(it["step_ms"], it["step_nodes"])]
     tree = [ms for ms, n in pairs if n > 1]
     plain = [ms for ms, n in pairs if n == 1]
     nodes = [n for _, n in pairs if n > 1]
-    return {"tree_step_ms": statistics.mean(tree) if tree else None,
-            "plain_step_ms": statistics.mean(plain) if plain else None,
-            "mean_tree_nodes": statistics.mean(nodes) if nodes else None,
-            "tree_steps": len(tree), "plain_steps": len(plain)}
+    out = {"tree_step_ms": statistics.mean(tree) if tree else None,
+           "plain_step_ms": statistics.mean(plain) if plain else None,
+           "mean_tree_nodes": statistics.mean(nodes) if nodes else None,
+           "tree_steps": len(tree), "plain_steps": len(plain)}
+    split = [(ms, d, v) for it in items if it.get("step_draft_ms")
+             for ms, n, d, v in zip(it["step_ms"], it["step_nodes"], it["step_draft_ms"], it["step_verify_ms"]) if n > 1]
+    if split:
+        out.update(tree_draft_ms=statistics.mean(d for _, d, _ in split),
+                   tree_verify_ms=statistics.mean(v for _, _, v in split),
+                   tree_rest_ms=statistics.mean(ms - d - v for ms, d, v in split))
+    return out
 
 
 def constraint_stats(items: list[dict]) -> dict:
@@ -57,7 +67,9 @@ def gen_fields(g) -> dict:
     out = {"token_ids": g.token_ids, "new_tokens": len(g.token_ids), "wall_s": round(g.wall_s, 4),
            "steps": g.steps, "accepted_lengths": g.accepted_lengths, "finish_reason": g.finish_reason,
            "prefill_ms": round(g.prefill_ms, 2), "mean_step_ms": statistics.mean(g.step_ms) if g.step_ms else None,
-           "step_ms": [round(ms, 3) for ms in g.step_ms], "step_nodes": g.step_nodes, "tree_depths": g.tree_depths}
+           "step_ms": [round(ms, 3) for ms in g.step_ms], "step_nodes": g.step_nodes, "tree_depths": g.tree_depths,
+           "step_draft_ms": [round(ms, 3) for ms in getattr(g, "step_draft_ms", [])],
+           "step_verify_ms": [round(ms, 3) for ms in getattr(g, "step_verify_ms", [])]}
     if g.constraint is not None:
         out.update(constraint=g.constraint, constraint_complete=g.constraint_complete, pruned_drafts=g.pruned_drafts,
                    mask_ms=[round(ms, 4) for ms in g.mask_ms])

@@ -124,6 +124,9 @@ def assert_generation_invariants(gen, max_new_tokens, eos_ids, kv=None, prompt_l
     assert all(a >= 1 for a in gen.accepted_lengths)
     assert gen.steps == len(gen.accepted_lengths)
     assert len(gen.token_ids) <= max_new_tokens
+    if gen.step_draft_ms or gen.step_verify_ms:  # the engine's split of each step: parts of it
+        assert len(gen.step_draft_ms) == len(gen.step_verify_ms) == len(gen.step_ms)
+        assert all(0 <= d and 0 <= v and d + v <= ms + 1e-6 for d, v, ms in zip(gen.step_draft_ms, gen.step_verify_ms, gen.step_ms))
     if gen.finish_reason == "eos":
         assert gen.token_ids[-1] in eos_ids and not any(t in eos_ids for t in gen.token_ids[:-1])
     else:

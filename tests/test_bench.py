@@ -112,6 +112,17 @@ def test_bench_cli_writes_bench_json(tmp_path):
     assert "| hf_greedy | 1 |" in proc.stdout
 
 
+def test_tree_steps_split_into_draft_verify_and_rest():
+    """bench.json's tree_step_split_ms: a tree step's mean time drafting, verifying and the rest, over
+    tree steps only, and only where the items split their steps (ours, not the peers')."""
+    from pipeline.metrics import step_latency
+    ours = {"step_ms": [10.0, 4.0, 12.0], "step_nodes": [5, 1, 3], "step_draft_ms": [3.0, 0.0, 1.0],
+            "step_verify_ms": [6.0, 3.5, 8.0]}
+    s = step_latency([ours, {"step_ms": [9.0], "step_nodes": [1]}])
+    assert (s["tree_step_ms"], s["tree_draft_ms"], s["tree_verify_ms"], s["tree_rest_ms"]) == (11.0, 2.0, 7.0, 2.0)
+    assert "tree_draft_ms" not in step_latency([{"step_ms": [9.0], "step_nodes": [4]}])
+
+
 @pytest.mark.parametrize("decodes, message", [
     ("decodes=[greedy,nope]", "unknown decode 'nope' in decodes; known: beam, greedy"),
     ("decode=greedy", "not decode="),

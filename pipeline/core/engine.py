@@ -265,6 +265,7 @@ class Engine(Runner):
         rank = {seq: r for r, seq in enumerate(self.kv.batch_order([s.seq for s in live]))}
         live = sorted(live, key=lambda s: rank[s.seq])
         trees, node_bits = self._propose(live)
+        t_draft = time.perf_counter()
         step = StepBatch.build([s.seq for s in live], [tr.tokens for tr in trees],
                                [None if tr.size == 1 else tr.depth for tr in trees],
                                [None if tr.size == 1 else tr.mask for tr in trees],
@@ -275,6 +276,7 @@ class Engine(Runner):
         allowed = masks()
         p = self.target(self.model.logits(h), input_ids=lambda: _contexts(live, trees), allowed=allowed,
                         where=self.masks.where(live, sizes), groups=_groups(live, sizes))
+        t_verify = time.perf_counter()
         decided = []
         for s, tree, o in zip(live, trees, step.offsets):  # every request's tokens before anything commits
             with blame(s.index):
@@ -287,8 +289,11 @@ class Engine(Runner):
         ms = (time.perf_counter() - t) * 1e3
         if self.guard is not None and any(s.proposer is not None for s in live):
             self.guard.record(any(tr.size > 1 for tr in trees), sum(len(new) for _, _, new, _, _ in committed), ms)
+        draft_ms, verify_ms = (t_draft - t) * 1e3, (t_verify - t_draft) * 1e3
         for s, tree, new, lps, feats in committed:
             s.gen.step_ms.append(ms)
+            s.gen.step_draft_ms.append(draft_ms)
+            s.gen.step_verify_ms.append(verify_ms)
             s.gen.step_nodes.append(tree.size)
             s.gen.tree_depths.append(tree.max_depth)
             _alone(s, lambda: (self._emit(s, new, feats, lps), self.masks.note(s)))

@@ -47,6 +47,8 @@ class Generation:
     finish_reason: str = "length"  # eos | length | context | constraint_complete | abort (Runner.abort) | error
     accepted_lengths: list[int] = field(default_factory=list)  # tokens committed per target forward (prefill first)
     step_ms: list[float] = field(default_factory=list)  # wall time per step this request took part in
+    step_draft_ms: list[float] = field(default_factory=list)  # ... of it drafting (the proposer's trees)
+    step_verify_ms: list[float] = field(default_factory=list)  # ... of it the target: forward, masks, logits, processors
     step_nodes: list[int] = field(default_factory=list)  # its tree nodes per step (1 = plain step)
     tree_depths: list[int] = field(default_factory=list)  # its deepest draft per step (0 = plain step)
     wall_s: float = 0.0  # from admission (prefill) to the last token
