@@ -6,8 +6,8 @@ drafts train on prompts like the ones the model is used with, not only on a temp
 
 A round samples `batch_size` first turns (temperature, top_p, each with its own seed, through the
 core engine in one continuous batch). A `multi_turn` fraction of them (chosen by seed) gets a second
-turn: the backbone's greedy answer to the first, then the template's next user opening, sampled
-again; such a prompt is the messages [user, assistant, user], which the training answer continues.
+turn: the backbone's greedy answer to the first (where it ends within `answer_tokens`), then the
+template's next user opening, sampled again; such a prompt is the messages [user, assistant, user], which the training answer continues.
 Rounds are saved as they are made (`round-*.jsonl` under `<root>/magpie-<key>`, the key a digest of
 what decides their text: model, precision, seed and sampling knobs), raw, and read in order through
 the filters: stripped, `min_words`..`max_words` words per user turn, no duplicate (normalised text),
@@ -42,7 +42,7 @@ class Magpie:
                  max_words: int = 200, multi_turn: float = 0.25, batch_size: int = 48, keep_unfinished: bool = False):
         """max_new_tokens: a user turn's budget; one cut there is dropped (it did not end: often a
         small model's run-on), unless keep_unfinished. answer_tokens: the greedy answer's before a
-        second turn."""
+        second turn (an answer cut there gets none, unless keep_unfinished)."""
         for name, v in (("max_new_tokens", max_new_tokens), ("answer_tokens", answer_tokens),
                         ("min_words", min_words), ("max_words", max_words), ("batch_size", batch_size)):
             positive_int(v, f"data.magpie.{name}")
@@ -138,10 +138,11 @@ class Magpie:
             rendered = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in asked]
             answers = self._decode([tok.encode(r, add_special_tokens=False) for r in rendered],
                                    Sampler(do_sample=False), self.answer_tokens)
-            histories = [m + [{"role": "assistant", "content": a}] for m, (a, _) in zip(asked, answers)]
-            follow = self._sample([self._opening(h) for h in histories], [self._seed(k, i, 1) for i in pick])
-            for i, (a, _), f in zip(pick, answers, follow):
-                out[i]["turns"] += [a, f]
+            ended = [j for j, (_, e) in enumerate(answers) if e or self.keep_unfinished]  # a cut answer: one turn
+            histories = [asked[j] + [{"role": "assistant", "content": answers[j][0]}] for j in ended]
+            follow = self._sample([self._opening(h) for h in histories], [self._seed(k, pick[j], 1) for j in ended])
+            for j, f in zip(ended, follow):
+                out[pick[j]]["turns"] += [answers[j][0], f]
         return out
 
     def _seed(self, k: int, i: int, turn: int) -> int:
