@@ -40,7 +40,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
     backbone = component(cfg.model)
     data = component(cfg.data, backbone, num_heads=cfg.heads.num_heads)
     if cfg.data.get("only"):  # data only (shard jobs): this job's parts of the set, no training
-        return data.make(), {"data": data, "backbone": backbone}
+        return data.make(out), {"data": data, "backbone": backbone}
     data.setup("fit")  # the draft vocabulary is chosen from the training answers' token counts
     heads = instantiate(cfg.heads)(backbone=backbone, token_counts=data.token_counts())
     module = instantiate(cfg.module, heads=heads, optimizer=instantiate(cfg.optimizer),

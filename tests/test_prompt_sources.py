@@ -187,3 +187,17 @@ def test_no_training_prompt_is_a_near_copy_of_a_vicuna80_question(made, tiny_bac
 def test_a_mix_needs_its_magpie_source():
     with pytest.raises(ValueError, match="needs `magpie`"):
         PromptMix(parse_sources("magpie"))
+
+
+def test_prompts_alone_are_written_as_a_prompt_file(made, tiny_backbone, magpie_root, tmp_path):
+    """data.only=prompts writes the prompts it made as prompts.jsonl in the run directory: a file
+    data.prompts (and the bench's input) reads back as the same prompts."""
+    from components.data.datamodule import DistillDataModule
+    prompts, _ = made
+    data = DistillDataModule(tiny_backbone, num_heads=1, max_samples=6, root=str(magpie_root), only="prompts",
+                             prompts=["magpie"], magpie=MAGPIE)
+    info = data.make(tmp_path)
+    assert info["prompts"] == 6 and info["prompts_file"] == str(tmp_path / "prompts.jsonl")
+    lines = [json.loads(x) for x in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    assert [r.get("messages") or r["prompt"] for r in lines] == prompts[:6]
+    assert sum("messages" in r for r in lines) == sum(isinstance(p, list) for p in prompts[:6])

@@ -3,6 +3,9 @@ Medusa heads, or whole answers (hidden states and tokens, padded per batch) for 
 (`sequences: true`, set by heads=eagle; an EAGLE-3 draft's states carry its fused layers too)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -10,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from components.data.prompts import parse_sources
 from components.data.self_distill import DistillSet, build_self_distill, covered, make_self_distill, prompt_mix
 from components.heads.eagle import resolve_fuse_layers
-from pipeline.core import positive_int
+from pipeline.core import atomic_write, positive_int
 
 
 def head_targets(ds: DistillSet, num_heads: int) -> torch.Tensor:
@@ -95,16 +98,24 @@ class DistillDataModule(L.LightningDataModule):
     def build(self) -> DistillSet:
         return build_self_distill(self.backbone, **self.gen_kw)
 
-    def make(self) -> dict:
+    def make(self, out_dir: Path | None = None) -> dict:
         """Data only (`data.only=true`): this job's parts (its shard's, or all), no reading. Returns
         where the set is and how much of it exists. `data.only=prompts`: the first max_samples
-        prompts only (the Magpie rounds they need), and how many are multi-turn."""
+        prompts only (the Magpie rounds they need), and how many are multi-turn; with `out_dir`
+        they are also written there as prompts.jsonl (a prompt file: to read, to split, to feed
+        data.prompts or the bench's input)."""
         kw = self.make_kw
         if self.only == "prompts":
             mix = prompt_mix(self.backbone, kw["prompts"], kw["prompt_seed"], kw["root"], kw["magpie"])
             made = mix.take(kw["max_samples"])
+            written = None
+            if out_dir is not None:
+                written = Path(out_dir) / "prompts.jsonl"
+                atomic_write(written, "".join(json.dumps({"messages": p} if isinstance(p, list) else {"prompt": p}) + "\n"
+                                              for p in made))
             return {"prompts": len(made), "multi_turn": sum(isinstance(p, list) for p in made),
-                    "magpie_dir": None if mix.magpie is None else str(mix.magpie.dir)}
+                    "magpie_dir": None if mix.magpie is None else str(mix.magpie.dir),
+                    "prompts_file": None if written is None else str(written)}
         out, _ = make_self_distill(self.backbone, **kw)
         return {"data_dir": str(out), "answers": covered(out), "asked": self.make_kw["max_samples"],
                 "shard": self.make_kw["shard"], "num_shards": self.make_kw["num_shards"]}
