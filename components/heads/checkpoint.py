@@ -1,7 +1,8 @@
-"""Draft-head checkpoints (Medusa heads and EAGLE drafts alike): one safetensors file, never pickle,
-whose metadata holds a JSON header under the kind's key (`"medusa"` or `"eagle"`: format, hidden
-size, vocabulary size, backbone fingerprint, the head's own shape). The frozen backbone rows a head
-reads (its LM head) are never stored; everything else is loaded strictly."""
+"""Draft-head checkpoints (Medusa heads, Hydra heads and EAGLE drafts alike): one safetensors file,
+never pickle, whose metadata holds a JSON header under the kind's key (`"medusa"`, `"hydra"` or
+`"eagle"`: format, hidden size, vocabulary size, backbone fingerprint, the head's own shape); `kind`
+reads which it is without loading it. The frozen backbone rows a head reads (its LM head) are never
+stored; everything else is loaded strictly."""
 from __future__ import annotations
 
 import json
@@ -34,6 +35,17 @@ def save(module: nn.Module, path: str | Path, fmt: Format, info: dict, dtype: to
                for k, v in module.state_dict().items() if k != fmt.frozen}
     header = json.dumps({"format": fmt.name, **info})
     return atomic_write(Path(path), lambda tmp: save_file(tensors, tmp, metadata={fmt.key: header}))
+
+
+def kind(path: str | Path) -> str | None:
+    """Which kind of draft a checkpoint holds: the metadata key of its header ("medusa", "hydra",
+    "eagle"), read without its tensors; None when it is not a readable checkpoint (`read` says why)."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+    except Exception:  # missing, not safetensors, damaged: the loader's error names the cause
+        return None
+    return next((k for k, v in meta.items() if v.startswith("{") and '"format"' in v), None)
 
 
 def read(path: str | Path, fmt: Format, backbone, others: dict[str, str] | None = None) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -76,20 +76,29 @@ class MedusaHeads(nn.Module):
         """One decode step: h (dim,) -> (K, k) backbone token ids, best first per head (and their
         log-probabilities over the draft vocabulary with `with_logprobs`); h (B, dim) -> (B, K, k)."""
         f = self.features(h.reshape(-1, h.shape[-1]))  # (K, B, dim)
-        if self._infer_q4 is not None:
-            logits = self._infer_q4(f)  # (K, B, V')
-        elif self.proj is None:
-            if self._infer_w is None:  # [in, out] layout reads faster for a few rows
-                self._infer_w = self.shared_weight.t().contiguous()
-            logits = f @ self._infer_w  # (K, B, V')
-        else:
-            logits = torch.einsum("kbd,kvd->kbv", f, self.proj)
-        top = logits.topk(k, dim=-1)
-        ids = self.vocab_ids[top.indices].transpose(0, 1)  # (B, K, k)
-        logp = (top.values - logits.logsumexp(-1, keepdim=True)).transpose(0, 1)
+        ids, logp = self.ranked(self.decode_logits(f), k)  # (K, B, k)
+        ids, logp = ids.transpose(0, 1), logp.transpose(0, 1)  # (B, K, k)
         if h.dim() == 1:
             ids, logp = ids[0], logp[0]
         return (ids, logp) if with_logprobs else ids
+
+    def decode_logits(self, f: torch.Tensor, head: int | None = None) -> torch.Tensor:
+        """Decoding's projection: f (K, B, dim) of every head, or (B, dim) of head `head` (0-based)
+        -> logits (..., V') over the draft vocabulary, in 4 bits after quantize_for_decoding."""
+        if self._infer_q4 is not None:
+            return self._infer_q4(f)
+        if self.proj is None:
+            if self._infer_w is None:  # [in, out] layout reads faster for a few rows
+                self._infer_w = self.shared_weight.t().contiguous()
+            return f @ self._infer_w
+        if head is None:
+            return torch.einsum("kbd,kvd->kbv", f, self.proj)
+        return f @ self.proj[head].t()
+
+    def ranked(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits (..., V') -> the best k as backbone token ids (..., k) and their log-probabilities."""
+        top = logits.topk(k, dim=-1)
+        return self.vocab_ids[top.indices], top.values - logits.logsumexp(-1, keepdim=True)
 
     def quantize_for_decoding(self, ops=None) -> "MedusaHeads":
         """Decoding beside a q4 backbone: the shared projection stored as the backbone's matrices are,
@@ -108,18 +117,25 @@ class MedusaHeads(nn.Module):
         return "w4a8" if self._infer_q4.activations == "int8" else "q4"
 
     # --- checkpoints: components/heads/checkpoint.py --------------------------------------------
+    FORMAT = FORMAT
+    OTHERS = {"hydra": "a Hydra heads checkpoint (sequential heads: proposer=medusa decodes them, export and "
+                       "tree_search take Medusa heads)", "eagle": "an EAGLE draft (use proposer=eagle)"}
+
+    @classmethod
+    def build(cls, backbone, vocab_ids: torch.Tensor, num_heads: int, num_layers: int, lm_head: str) -> "MedusaHeads":
+        """Fresh heads of this class for `backbone`, over the draft vocabulary `vocab_ids` (V',)."""
+        return cls(backbone.model.args.dim, num_heads, num_layers, lm_head, vocab_ids, draft_lm_weight(backbone, vocab_ids))
+
     def save(self, path: str | Path, meta: dict) -> Path:
         info = {"dim": self.dim, "num_heads": self.num_heads, "num_layers": self.num_layers,
                 "lm_head": self.lm_head_mode, **meta}
-        return checkpoint.save(self, path, FORMAT, info)
+        return checkpoint.save(self, path, self.FORMAT, info)
 
     @classmethod
     def load(cls, path: str | Path, backbone) -> "MedusaHeads":
-        info, tensors = checkpoint.read(path, FORMAT, backbone)
-        vocab_ids = tensors["vocab_ids"]
-        heads = cls(info["dim"], info["num_heads"], info["num_layers"], info["lm_head"], vocab_ids,
-                    draft_lm_weight(backbone, vocab_ids))
-        checkpoint.load_state(heads, tensors, path, FORMAT)
+        info, tensors = checkpoint.read(path, cls.FORMAT, backbone, cls.OTHERS)
+        heads = cls.build(backbone, tensors["vocab_ids"], info["num_heads"], info["num_layers"], info["lm_head"])
+        checkpoint.load_state(heads, tensors, path, cls.FORMAT)
         heads.info = info
         return heads.to(backbone.model.device).eval().requires_grad_(False)
 
@@ -145,6 +161,5 @@ def build_heads(backbone, token_counts: torch.Tensor, num_heads: int = 3, num_la
                 lm_head: str = "shared", draft_vocab: int | None = 8192) -> MedusaHeads:
     """The `heads` group's target: fresh heads for a backbone, their draft vocabulary chosen from the
     training answers' token counts (V,)."""
-    vocab_ids = select_draft_vocab(token_counts, draft_vocab, backbone.eos_ids)
-    return MedusaHeads(backbone.model.args.dim, num_heads, num_layers, lm_head, vocab_ids,
-                       draft_lm_weight(backbone, vocab_ids))
+    return MedusaHeads.build(backbone, select_draft_vocab(token_counts, draft_vocab, backbone.eos_ids),
+                             num_heads, num_layers, lm_head)

@@ -1,6 +1,7 @@
 """The LightningModules that train draft heads on a frozen backbone's hidden states: one base
 (`HeadModule`: optimizer, schedule, steps, logging) and each head's loss: Medusa heads (k-shifted
-weighted cross-entropy) and an EAGLE draft (feature regression + cross-entropy)."""
+weighted cross-entropy; Hydra heads the same, teacher-forced on the path) and an EAGLE draft
+(feature regression + cross-entropy)."""
 from __future__ import annotations
 
 import math
@@ -88,7 +89,11 @@ class MedusaModule(HeadModule):
 
     def loss(self, batch, split: str) -> torch.Tensor:
         hidden, targets = batch
-        logits = self.heads(hidden.float())  # (K, B, V')
+        return self.scored(self.heads(hidden.float()), targets, split)  # logits (K, B, V')
+
+    def scored(self, logits: torch.Tensor, targets: torch.Tensor, split: str) -> torch.Tensor:
+        """The weighted loss of logits (K, B, V') against targets (B, K), logging each head's loss,
+        top-1 and top-5."""
         dt = self.draft_targets(targets)  # (B, K)
         loss = 0.0
         for k in range(self.heads.num_heads):
@@ -104,6 +109,28 @@ class MedusaModule(HeadModule):
             self.metric(split, f"head{k + 1}_top1", hit1.sum() / n)
             self.metric(split, f"head{k + 1}_top5", hit5.sum() / n)
         return loss
+
+
+class HydraModule(MedusaModule):
+    """Hydra heads (components/heads/hydra.py) trained as Medusa heads are, the same weighted loss and
+    metrics (comparable head for head), teacher-forced: head k reads the true y_{t+1} .. y_{t+k}.
+
+    A batch holds whole answers (data.sequences=true): hidden (B, T, dim) with hidden[:, i] the state
+    that predicts tokens[:, i] (y_{t+1}), tokens (B, T), -100 past an answer's end, and with prompt
+    context the number of prompt pairs in front of each answer (B,), which are never scored. Every
+    answer position is one training row: h_t, the path tokens[:, i .. i+K-1], targets
+    tokens[:, i+1 .. i+K] (y_{t+2} .. y_{t+1+K}, -100 past the end)."""
+
+    def loss(self, batch, split: str) -> torch.Tensor:
+        hidden, tokens = batch[0], batch[1]
+        K = self.heads.num_heads
+        window = F.pad(tokens, (0, K), value=-100).unfold(1, K + 1, 1)  # (B, T, K + 1): y_{t+1} .. y_{t+1+K}
+        rows = tokens >= 0  # (B, T)
+        if len(batch) > 2:  # prompt pairs in front: read by nothing here, scored never
+            rows &= torch.arange(tokens.shape[1], device=tokens.device)[None] >= batch[2][:, None]
+        window = window[rows]  # (N, K + 1)
+        logits = self.heads(hidden[rows].float(), window[:, :K].clamp(min=0))  # (K, N, V'); -100 only after an end
+        return self.scored(logits, window[:, 1:], split)
 
 
 def warmup_cosine(optimizer, total_steps: int, warmup_steps: int = 50, min_ratio: float = 0.05):
