@@ -39,6 +39,8 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
+    sequential = False  # Hydra heads (components/heads/hydra.py): each depth also reads the path before it
+
     def __init__(self, dim: int, num_heads: int = 3, num_layers: int = 1, lm_head: str = "shared",
                  vocab_ids: torch.Tensor | None = None, lm_weight: torch.Tensor | None = None):
         """vocab_ids: (V',) the draft vocabulary as backbone token ids; lm_weight: (V', dim) the backbone

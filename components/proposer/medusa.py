@@ -1,7 +1,17 @@
-"""Medusa proposer: the heads' top-k per depth, arranged by a static tree, verified by the target."""
+"""Medusa proposer: the heads' top-k per depth, arranged by a static tree, verified by the target.
+
+With sequential heads (heads=hydra: components/heads/hydra.py; the checkpoint's kind says so) the
+tree is grown node by node each step, EAGLE-2's way: head 1 on (h_t, root) gives the root's top
+`width` children; at each next depth the best `width` nodes of the newest depth (by cumulative
+log-probability, only those still among the best `max_nodes` candidates) are expanded by the head
+of their depth on their own path, every node of every sequence in one call of the heads; then the
+best `max_nodes` candidates form the tree, and with `nodes: auto` the best prefix of them by
+predicted tokens per ms on this machine's measured step costs (policy.best_prefix), none when no
+prefix pays. Siblings' children differ: each reads its own path."""
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import math
 import time
@@ -10,8 +20,11 @@ from pathlib import Path
 import torch
 
 from components.model.assemble import FOUR_BIT
+from components.heads.checkpoint import kind as checkpoint_kind
+from components.heads.hydra import HydraHeads
 from components.heads.medusa import MedusaHeads
-from components.proposer.policy import size_tree
+from components.proposer.eagle import _Growing
+from components.proposer.policy import chain_costs, size_tree
 from pipeline.core import DecodeState, Proposer, StaticTree, Tree, UserError, dynamic_tree, positive_int
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "checkpoints"
@@ -52,10 +65,21 @@ class MedusaProposer(Proposer):
         if checkpoint is None and not path.is_file():
             raise UserError(f"no Medusa heads are shipped for model {backbone.name!r}: train them with "
                             "`python -m pipeline.train` and pass proposer.checkpoint=<run dir>/heads.safetensors")
-        self.heads = MedusaHeads.load(path, backbone)
+        self.heads = (HydraHeads if checkpoint_kind(path) == "hydra" else MedusaHeads).load(path, backbone)
         if backbone.model.precision in FOUR_BIT:  # the draft projection in 4 bits too (~4x fewer bytes per step)
             self.heads.quantize_for_decoding(backbone.model.native if backbone.model.precision == "w4a8" else None)
         self.checkpoint_path = path
+        self.width, self.max_nodes, self.costs = width, max_nodes, None
+        if self.heads.sequential:  # a tree grown node by node each step: no static shape, no tree file
+            if choices is not None or tree_file not in (None, "auto"):
+                raise UserError(f"{path} holds sequential (Hydra) heads, which grow their tree each step: leave "
+                                "tree.choices and proposer.tree_file unset, size it with tree.width/depth/max_nodes")
+            self.dynamic, self.tree, self.depth = True, None, min(depth, self.heads.num_heads)
+            if isinstance(nodes, int):
+                self.max_nodes = nodes
+            elif nodes == "auto":  # a step with n drafts costs what a chain of n does (the rows')
+                self.costs = chain_costs(backbone, max_nodes, self.batch_size)
+            return
         self.dynamic = bool(dynamic)
         if self.dynamic:
             choices, tree_file = None, None
@@ -72,8 +96,6 @@ class MedusaProposer(Proposer):
         if self.tree is not None and self.tree.depth > self.heads.num_heads:
             raise UserError(f"tree depth {self.tree.depth} exceeds the checkpoint's {self.heads.num_heads} heads: "
                             f"use tree.depth <= {self.heads.num_heads}")
-
-        self.width, self.max_nodes = width, max_nodes
 
     def _from_tree_file(self, backbone, tree_file: Path, nodes, p_min) -> list[list[int]]:
         """The paths of a tree search's tree.json (the first `nodes` of its ranking where it ranks
@@ -113,7 +135,11 @@ class MedusaProposer(Proposer):
         """Its "tree": the tree it verifies (a search's best one becomes a tree file); "policy": the
         sizing decision with nodes=auto and a tree file, else None."""
         common = {"p_min": self.p_min, "checkpoint": str(self.checkpoint_path), "draft_storage": self.heads.storage}
-        if self.dynamic:
+        if self.heads.sequential:
+            tree = {"dynamic": True, "sequential": True, "width": self.width, "depth": self.depth,
+                    "max_nodes": self.max_nodes, "nodes": "auto" if self.costs else self.max_nodes,
+                    "step_ms_by_drafts": self.costs, **common}
+        elif self.dynamic:
             tree = {"dynamic": True, "width": self.width, "max_nodes": self.max_nodes, **common}
         else:
             tree = {"choices": None if self.tree is None else [list(c) for c in self.tree.choices], **common}
@@ -121,10 +147,18 @@ class MedusaProposer(Proposer):
 
     @property
     def active(self) -> bool:
-        return self.dynamic or self.tree is not None
+        return self.max_nodes > 0 if self.heads.sequential else self.dynamic or self.tree is not None
+
+    @property
+    def floor(self) -> float:
+        """p_min as a log-probability."""
+        return math.log(self.p_min) if self.p_min > 0 else -math.inf
 
     @torch.inference_mode()
     def propose(self, states: list[DecodeState]) -> list[Tree | None]:
+        if self.heads.sequential:
+            return [None if t is None else t.tree(s.tokens[-1], self.max_nodes, self.floor, self.costs, self.min_gain)
+                    for s, t in zip(states, self._grow(states))]
         return [t for t, _, _ in self._candidates(states)]
 
     @torch.inference_mode()
@@ -132,6 +166,8 @@ class MedusaProposer(Proposer):
         """Each sequence's drafts as (draft tokens from the root, the product of the heads'
         probabilities along the path), for a proposer that ranks them with other sources'
         (proposer=hybrid)."""
+        if self.heads.sequential:
+            return [[] if t is None else t.scored(self.floor) for t in self._grow(states)]
         out = []
         for tree, ids, logp in self._candidates(states):
             if tree is None:
@@ -145,6 +181,32 @@ class MedusaProposer(Proposer):
                 cum.append(cum[parents[i]] + float(logp[d][ids[d] == tokens[i]][0]))
             out.append([(p, math.exp(c)) for p, c in zip(paths[1:], cum[1:])])
         return out
+
+    def _grow(self, states: list[DecodeState]) -> list[_Growing | None]:
+        """Sequential heads: every sequence's candidates this step (None: no room to draft), grown
+        depth by depth, each depth's nodes of every sequence through the heads at once."""
+        trees = [_Growing(min(self.depth, s.budget - 1)) for s in states]
+        hidden = torch.stack([s.hidden for s in states]).float()  # (B, dim)
+        roots = [s.tokens[-1] for s in states]
+        grow = [(b, 0) for b, t in enumerate(trees) if t.depth >= 1]  # (sequence, node) to expand
+        for d in range(1, self.depth + 1):
+            if not grow:
+                break
+            rows = torch.tensor([b for b, _ in grow], device=hidden.device)
+            paths = torch.tensor([path_of(trees[b], n, roots[b]) for b, n in grow], device=hidden.device)  # (N, d)
+            ids, logp = self.heads.expand(hidden[rows], paths, self.width)  # (N, width): each node's children
+            for (b, n), ids_n, logp_n in zip(grow, ids.cpu(), logp.cpu()):
+                trees[b].add_children(n, logp_n, self.width, ids_n, None)
+            grow = [(b, n) for b, t in enumerate(trees) if t.depth > d for n in self._to_expand(t, d)]
+        return [t if t.depth >= 1 else None for t in trees]
+
+    def _to_expand(self, t: _Growing, d: int) -> list[int]:
+        """The best `width` nodes of depth d that can still be drafted: at or above p_min, and among
+        the best max_nodes candidates so far (a child never scores above its parent, and the bar only
+        rises, so the children of any other node would all be cut)."""
+        scores = sorted(t.score[1:], reverse=True)
+        bar = max(self.floor, scores[self.max_nodes - 1] if len(scores) >= self.max_nodes else -math.inf)
+        return heapq.nlargest(self.width, (n for n in t.frontier(d) if t.score[n] >= bar), key=lambda n: t.score[n])
 
     def _candidates(self, states: list[DecodeState]) -> list[tuple[Tree | None, torch.Tensor, torch.Tensor]]:
         """Every live sequence's heads in one call: h (B, dim) -> (B, K, k) candidates. Per sequence:
@@ -176,3 +238,8 @@ class MedusaProposer(Proposer):
         for i in range(1, len(parents)):
             cum[i] += cum[parents[i]]
         return tree.keep((cum >= math.log(self.p_min)).nonzero().squeeze(-1))
+
+
+def path_of(t: _Growing, n: int, root: int) -> list[int]:
+    """Node n's tokens from the root (root included): what the head that extends it reads."""
+    return [root, *(t.token[a] for a in reversed(list(t.ancestors(n)))), *([t.token[n]] if n else [])]
