@@ -201,3 +201,22 @@ def test_prompts_alone_are_written_as_a_prompt_file(made, tiny_backbone, magpie_
     lines = [json.loads(x) for x in (tmp_path / "prompts.jsonl").read_text().splitlines()]
     assert [r.get("messages") or r["prompt"] for r in lines] == prompts[:6]
     assert sum("messages" in r for r in lines) == sum(isinstance(p, list) for p in prompts[:6])
+
+
+def test_split_prompts_keeps_a_held_out_slice_apart(tmp_path):
+    """scripts/split_prompts.py: the last single-turn prompts held out (with ids, for the bench), every
+    other line kept for training, none in both."""
+    import importlib.util
+    from helpers import REPO_ROOT
+    spec = importlib.util.spec_from_file_location("split_prompts", REPO_ROOT / "scripts" / "split_prompts.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [{"prompt": f"question {i}"} for i in range(5)] + [{"messages": [{"role": "user", "content": "last"}]}]
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert mod.main([str(src), str(tmp_path / "t.jsonl"), str(tmp_path / "h.jsonl"), "2"]) == 0
+    held = [json.loads(x) for x in (tmp_path / "h.jsonl").read_text().splitlines()]
+    train = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert held == [{"id": "h-0", "prompt": "question 3"}, {"id": "h-1", "prompt": "question 4"}]
+    assert train == rows[:3] + rows[5:]
+    assert mod.main([str(src), str(tmp_path / "t.jsonl"), str(tmp_path / "h.jsonl"), "9"]) == 2  # too few
