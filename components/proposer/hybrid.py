@@ -159,6 +159,10 @@ class HybridProposer(Proposer):
         for src in self.sources.values():
             src.release(seq)
 
+    def reset(self) -> None:
+        for source in self.sources.values():
+            source.reset()
+
     def propose(self, states: list[DecodeState]) -> list[Tree | None]:
         forced = [forced_tokens(st.constraint, st.model.args.vocab_size, min(self.forced, st.budget - 1))
                   if st.constraint is not None else [] for st in states]

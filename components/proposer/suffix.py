@@ -189,6 +189,11 @@ class SuffixProposer(Proposer):
             text = s.own.seqs[0]
             self.cache.add(text if self.cache_prompts else text[max(0, s.prompt_len - self.max_ngram):])
 
+    def reset(self) -> None:
+        """A new run: the cross-request cache starts empty (a bench's rounds never draft from the last)."""
+        if self.cache is not None:
+            self.cache.clear()
+
     def scored(self, states: list[DecodeState], ahead: list[list[int]] | None = None) -> list[Scored]:
         """Every sequence's candidates, (draft tokens from the root, estimated acceptance). ahead[i]:
         tokens drafted before them (a constraint's forced ones): the lookups continue after those,

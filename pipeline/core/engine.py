@@ -117,10 +117,13 @@ class Engine(Runner):
         self.masks = StepConstraints(model.args.vocab_size, self.eos_ids)
 
     def reset(self) -> None:
-        """The speculation guard's measurements start afresh, and the prefix cache (`Runner.reset`)."""
+        """The speculation guard's measurements start afresh, the proposers' cross-request state
+        (`Proposer.reset`), and the prefix cache (`Runner.reset`)."""
         super().reset()
         if self.guard is not None:
             self.guard.reset()
+        for p in {id(p): p for p in (self.proposer, self.idle_proposer, *self.drafts.values()) if p is not None}.values():
+            p.reset()
 
     @property
     def drafting(self) -> bool:

@@ -63,6 +63,11 @@ class Proposer(ABC):
     def release(self, seq: int) -> None:
         """The sequence finished (or failed): drop its state."""
 
+    def reset(self) -> None:
+        """Per-run state starts afresh (`Engine.reset`: each run, a server after its warm-up): what it
+        learnt across requests (a cross-request cache) is forgotten, so one run's figures never ride
+        on an earlier run's outputs."""
+
 
 class Verifier(ABC):
     samples: bool = False  # True: may verify drafts under a sampling sampler (else greedy only)
