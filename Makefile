@@ -77,9 +77,15 @@ heads: setup
 	    module.unroll=2 trainer.max_steps=1200 checkpoint_every=200 hydra.run.dir=outputs/train/shipped_eagle_$$stage || exit 1; \
 	  prev=outputs/train/shipped_eagle_$$stage; \
 	done  # then the training-time test two deep, 2 stages of 1,200 steps (each still rising)
-	cp outputs/train/shipped_eagle_ttt2/heads.safetensors $(SHIP)/eagle.safetensors
-	cp outputs/train/shipped_eagle_ttt2/metrics.json $(SHIP)/eagle_metrics.json
-	cp outputs/train/shipped_eagle_ttt2/train_config.yaml $(SHIP)/eagle_train_config.yaml
+	# then a stage on prompts like users': the backbone's own user turns (Magpie), 200 of them held out
+	$(PY) -m pipeline.train model.dtype=w4a8 'data.prompts=[magpie]' data.max_samples=1980 data.only=prompts hydra.run.dir=outputs/train/magpie_prompts
+	$(PY) scripts/split_prompts.py outputs/train/magpie_prompts/prompts.jsonl outputs/magpie/train.jsonl outputs/magpie/heldout.jsonl 200
+	$(PY) -m pipeline.train heads=eagle model.dtype=w4a8 'data.prompts=[outputs/magpie/train.jsonl:0.7,templates:0.3]' data.max_samples=2400 \
+	  heads.init=outputs/train/shipped_eagle_ttt2/heads.safetensors module.unroll=2 trainer.max_steps=300 checkpoint_every=100 optimizer.lr=1e-3 \
+	  hydra.run.dir=outputs/train/shipped_eagle_magpie
+	cp outputs/train/shipped_eagle_magpie/heads.safetensors $(SHIP)/eagle.safetensors
+	cp outputs/train/shipped_eagle_magpie/metrics.json $(SHIP)/eagle_metrics.json
+	cp outputs/train/shipped_eagle_magpie/train_config.yaml $(SHIP)/eagle_train_config.yaml
 
 clean:
 	rm -rf .venv outputs/runs outputs/multirun
