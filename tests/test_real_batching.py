@@ -31,7 +31,7 @@ RUNS = [("float32", "greedy", "paged", 8), ("float32", "tree_ngram", "contiguous
         ("float32", "tree_hybrid", "paged", 8), ("w4a8", "tree_hybrid", "contiguous", 1)]  # EAGLE + suffix trees
 PROMPTS = {"float32": 8, "q4": 12, "bfloat16": 8, "w4a8": 8}  # float32 runs the most cases, bfloat16 is the slowest per token
 STAND_IN = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-FEWER = {"tree_eagle": 8, "self_spec": 8}  # prompts for the slowest runs (16-draft float32 trees, self-speculation)
+FEWER = {"tree_eagle": 8, "self_spec": 8, "tree_hybrid": 4}  # prompts for the slowest runs (16-draft float32 trees, self-speculation, EAGLE + suffix)
 
 _backbones: dict = {}
 _reference: dict = {}
