@@ -274,3 +274,14 @@ def test_a_draft_trained_with_prompt_context_reads_the_prompt(trained, tiny_back
         prop.start(0, [1, 2, 3, 4, 5])
         prop.observe(0, [2, 3, 4, 5, 6], torch.randn(5, dim))
         assert len(prop.seqs[0].tokens) == kept
+
+
+def test_zero_steps_validate_the_draft_it_starts_from():
+    """trainer.max_steps=0 heads.init=<draft>: the schedule takes 0 steps (the job only validates, how a
+    draft's held-out accuracy on one prompt source is measured); a negative count is a one-line error."""
+    from components.heads.module import warmup_cosine
+    from pipeline.errors import UserError
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    assert warmup_cosine(opt, 0).get_last_lr() == [1.0 / 50]
+    with pytest.raises(UserError, match="total_steps must be an int >= 0"):
+        warmup_cosine(opt, -1)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from components.heads.medusa import MedusaHeads
-from pipeline.core import positive_int
+from pipeline.core import UserError, positive_int
 
 
 def head_weights(num_heads: int, decay: float = 0.8, weights: list[float] | None = None) -> list[float]:
@@ -135,8 +135,10 @@ class HydraModule(MedusaModule):
 
 def warmup_cosine(optimizer, total_steps: int, warmup_steps: int = 50, min_ratio: float = 0.05):
     """Linear warm-up, then cosine decay to min_ratio x lr at total_steps. A LambdaLR, so a resumed
-    run with a larger total_steps simply follows the new schedule from where it stopped."""
-    positive_int(total_steps, "scheduler.total_steps")
+    run with a larger total_steps simply follows the new schedule from where it stopped. 0 steps
+    (trainer.max_steps=0): no training, the job validates the draft it starts from (heads.init)."""
+    if not isinstance(total_steps, int) or isinstance(total_steps, bool) or total_steps < 0:
+        raise UserError(f"scheduler.total_steps must be an int >= 0, got {total_steps!r}")
 
     def factor(step: int) -> float:
         if step < warmup_steps:
