@@ -390,3 +390,18 @@ def test_medusa_near_the_context_end_equals_greedy(trained, batch, dynamic):
         for j, depth in enumerate(g.tree_depths):
             assert depth <= 48 - len(p) - sum(g.accepted_lengths[:j + 1]) - 1
     assert sum(g.steps for g in gens) < sum(len(g.token_ids) for g in gens), "the heads never drafted"
+
+
+def test_decoding_stacks_the_heads_into_one_product():
+    """decode_features (one (K dim, dim) product a step) computes the heads' features as `features`
+    does, to float32 rounding; training and Hydra heads keep the per-head path."""
+    from components.heads.medusa import MedusaHeads
+    m = MedusaHeads(64, 3, 1, "shared", torch.arange(10), torch.randn(10, 64)).eval()
+    for blk in m.blocks:
+        torch.nn.init.normal_(blk[0].linear.weight, std=0.1)
+        torch.nn.init.normal_(blk[0].linear.bias, std=0.1)
+    h = torch.randn(5, 64)
+    assert torch.allclose(m.decode_features(h), m.features(h), atol=1e-5)
+    assert m.decode_features(h).shape == (3, 5, 64)
+    m.train()
+    assert torch.equal(m.decode_features(h), m.features(h))

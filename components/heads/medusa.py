@@ -61,6 +61,7 @@ class MedusaHeads(nn.Module):
             self.proj = nn.Parameter(lm_weight.float().clone()[None].repeat(num_heads, 1, 1))  # (K, V', dim)
         self._infer_w: torch.Tensor | None = None
         self._infer_q4: nn.Module | None = None  # quantize_for_decoding
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # decode_features' stacked blocks
 
     def features(self, h: torch.Tensor) -> torch.Tensor:
         """h: (N, dim) -> (K, N, dim)."""
@@ -77,12 +78,26 @@ class MedusaHeads(nn.Module):
     def topk(self, h: torch.Tensor, k: int, with_logprobs: bool = False):
         """One decode step: h (dim,) -> (K, k) backbone token ids, best first per head (and their
         log-probabilities over the draft vocabulary with `with_logprobs`); h (B, dim) -> (B, K, k)."""
-        f = self.features(h.reshape(-1, h.shape[-1]))  # (K, B, dim)
+        f = self.decode_features(h.reshape(-1, h.shape[-1]))  # (K, B, dim)
         ids, logp = self.ranked(self.decode_logits(f), k)  # (K, B, k)
         ids, logp = ids.transpose(0, 1), logp.transpose(0, 1)  # (B, K, k)
         if h.dim() == 1:
             ids, logp = ids[0], logp[0]
         return (ids, logp) if with_logprobs else ids
+
+    def decode_features(self, h: torch.Tensor) -> torch.Tensor:
+        """`features` for decoding: with one block a head, the heads' matrices stacked into one
+        (K dim, dim) product (one call a step, not K; the rows' sums differ from K products only in
+        the last bits, which move drafts, never committed tokens)."""
+        if self.sequential or self.num_layers != 1 or self.training:
+            return self.features(h)
+        if self._stacked is None:
+            lins = [blk[0].linear for blk in self.blocks]
+            self._stacked = (torch.cat([m.weight for m in lins]).t().contiguous().detach(),
+                             torch.cat([m.bias for m in lins]).detach())
+        w, b = self._stacked
+        y = F.silu(torch.addmm(b, h, w)).view(h.shape[0], self.num_heads, self.dim)  # (B, K, dim)
+        return h[None] + y.transpose(0, 1)
 
     def decode_logits(self, f: torch.Tensor, head: int | None = None) -> torch.Tensor:
         """Decoding's projection: f (K, B, dim) of every head, or (B, dim) of head `head` (0-based)
