@@ -87,6 +87,14 @@ def test_amx_int8_kernel_on_emulated_tiles_equals_the_scalar_reference(shape):
         assert same(ops.q8i8_mm(x[:m], c8, d, emulate_amx=True), ops.q8i8_mm(x[:m], c8, d, ref=True)), m
 
 
+@pytest.mark.skipif(ops is None or not ops.amx_emulation(), reason="the AMX emulation needs an AVX-512 build")
+def test_the_amx_self_check_passes_on_emulated_tiles():
+    """The check an AMX CPU runs before its first w4a8 product (17 rows, 3 groups, Q4 and Q8 against
+    the scalar reference; on a mismatch w4a8 keeps its SIMD path) passes where the kernel is right."""
+    assert ops.amx_self_check_emulated()
+    assert ops.w4a8_path() in ("amx_int8", "avx512_vnni")
+
+
 def test_q8_head_takes_the_full_code_range():
     """-128 (ggml never writes it, a file may hold it) and 127 against -127 and 127 activations: the
     AVX2 path's |q| x sign trick and VNNI's +128 codes must not saturate or wrap."""

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <cstdlib>
 #include <string>
@@ -816,6 +817,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4i8_mm", &q4i8_mm, py::arg("x"), py::arg("codes"), py::arg("dm"), py::arg("ref") = false, py::arg("emulate_amx") = false);
   m.def("q8i8_mm", &q8i8_mm, py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("ref") = false, py::arg("emulate_amx") = false);
   m.def("amx_emulation", []() { return AMX_EMULATION_BUILT; });
+  m.def("amx_self_check_emulated", &amx_self_check_emulated);
   m.def("quantize_rows", &quantize_rows_py);
   m.def("w4a8_path", []() { return std::string(w4a8_path()); });
   m.def("product_path", []() { return product_path(); });

@@ -508,9 +508,51 @@ constexpr bool AMX_INT8_BUILT = false;
 constexpr bool AMX_EMULATION_BUILT = false;
 #endif
 
+#if defined(__AVX512F__)
+// The AMX kernel against the scalar reference on a small problem that fills no tile (17 rows, 3
+// groups, Q4 and Q8): bit for bit, else the kernel is not used. The process's first w4a8 product
+// runs it once, so a CPU whose tiles disagree with the layouts here falls back to its SIMD path
+// rather than compute wrong sums. `Tiles`: AmxTiles, or EmulatedTiles to check the check itself.
+template <class Tiles>
+bool amx_self_check() {
+  const int64_t M = 17, K = 96, G = K / IG, NB = 2, N = NB * IB;
+  uint32_t state = 12345u;
+  auto next = [&]() { return state = state * 1664525u + 1013904223u; };
+  auto x = torch::empty({M, K}, torch::kFloat);
+  float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < M * K; ++i) xp[i] = static_cast<float>(static_cast<int32_t>(next() >> 8) % 2001 - 1000) / 250.0f;
+  const QRows q = quantize_rows(x.to(torch::kBFloat16));
+  std::vector<uint8_t> c4(NB * G * 256), c8(NB * G * 512);
+  std::vector<uint16_t> dm(NB * G * 32), d8(NB * G * 16);
+  for (auto& b : c4) b = static_cast<uint8_t>(next() >> 24);
+  for (auto& b : c8) b = static_cast<uint8_t>(next() >> 24);
+  for (auto& h : dm) h = c10::Half(static_cast<float>(static_cast<int32_t>(next() >> 20) % 200 - 100) / 1000.0f).x;
+  for (auto& h : d8) h = c10::Half(static_cast<float>(static_cast<int32_t>(next() >> 20) % 100 + 1) / 1000.0f).x;
+  std::vector<float> want(M * N), got(M * N);
+  q4_ref(q, c4.data(), dm.data(), want.data(), N, K);
+  amx_int_blocks<Tiles, false>(q, c4.data(), dm.data(), got.data(), N, K, 0, NB);
+  if (std::memcmp(want.data(), got.data(), want.size() * sizeof(float)) != 0) return false;
+  q8_ref(q, c8.data(), d8.data(), want.data(), N, K);
+  amx_int_blocks<Tiles, true>(q, c8.data(), d8.data(), got.data(), N, K, 0, NB);
+  return std::memcmp(want.data(), got.data(), want.size() * sizeof(float)) == 0;
+}
+#endif
+
 // The path the integer products take in this process: "amx_int8" where AMX is the products' path
-// (product_path) and the build has its int8 tiles, else the build's SIMD path (W4A8_PATH).
-const char* w4a8_path() { return AMX_INT8_BUILT && product_path() == "amx" ? "amx_int8" : W4A8_PATH; }
+// (product_path), the build has its int8 tiles and the kernel passed its self-check on this CPU;
+// else the build's SIMD path (W4A8_PATH). Decided once per process.
+const char* w4a8_path() {
+  static const bool amx = [] {
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
+    if (product_path() != "amx") return false;
+    if (amx_self_check<AmxTiles>()) return true;
+    std::fprintf(stderr, "warning: the AMX int8 kernel disagrees with its scalar reference on this CPU: "
+                         "w4a8 takes its %s path\n", W4A8_PATH);
+#endif
+    return false;
+  }();
+  return amx ? "amx_int8" : W4A8_PATH;
+}
 
 // The kernels int_mm can take: the process's own, the scalar reference, or the AMX kernel on
 // emulated tiles (tests: the AMX kernel's layouts checked on any AVX-512 CPU).
@@ -561,6 +603,14 @@ torch::Tensor int_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
     });
   }
   return q8 ? y : y.to(torch::kBFloat16);
+}
+
+bool amx_self_check_emulated() {  // tests: the self-check's own problem, on emulated tiles
+#if defined(__AVX512F__)
+  return amx_self_check<EmulatedTiles>();
+#else
+  return false;
+#endif
 }
 
 IntKernel int_kernel(bool ref, bool emulate_amx) {
